@@ -1,0 +1,1 @@
+"""Speculative decoding: verification rules, the jitted speculative loop, drafts."""

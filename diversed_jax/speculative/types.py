@@ -1,0 +1,56 @@
+"""The contract between the speculative loop and every verification rule.
+
+Shape legend: B rows, K drafted tokens per round, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+
+METHODS = ("ar", "sd", "lossy", "static", "static_logit", "diversed", "cascade", "mentored",
+           "typical")
+CASCADE_RULES = ("chow", "diff", "opt", "v1", "v2", "v3")
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyParams:
+  """Static (hashable) parameters of a verification rule; safe as a jit static argument.
+
+  method: one of METHODS ('ar' never calls a rule).
+  temperature: 0 means greedy (one-hot distributions, never a division by zero).
+  top_p: nucleus truncation applied to both p and q before verification (1.0 = off).
+  lenience: l in (0, 1] of lossy SD.
+  weight: w on the TARGET for 'static' / 'static_logit' (1 = exact SD, 0 = accept all).
+  cascade_rule, cascade_alpha: SpecCascade deferral rule and its lenience alpha.
+  epsilon: TV budget of mentored decoding.
+  typical_epsilon, typical_delta: Medusa typical-acceptance thresholds.
+  """
+  method: str = "sd"
+  temperature: float = 1.0
+  top_p: float = 1.0
+  lenience: float = 0.5
+  weight: float = 0.5
+  cascade_rule: str = "opt"
+  cascade_alpha: float = 0.1
+  epsilon: float = 0.1
+  typical_epsilon: float = 0.3
+  typical_delta: float = 0.09
+
+
+@flax.struct.dataclass
+class Verdict:
+  """What a rule decides for one round, for all rows and positions at once.
+
+  accept_prob_bk: a_i(x_i), acceptance probability of each drafted token.
+  residual_bkv: r_i, the (normalised) law sampled after the first rejection at i.
+  bonus_bv: the law of the bonus token drawn when all K drafts are accepted.
+  beta_bk: beta_i = sum_x min(q_i(x), pi_i(x)) = 1 - TV(q_i, pi_i), pi_i the emitted law
+    (nu_i for the ensembles); the expected acceptance at position i.
+  """
+  accept_prob_bk: jax.Array
+  residual_bkv: jax.Array
+  bonus_bv: jax.Array
+  beta_bk: jax.Array
