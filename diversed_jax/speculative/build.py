@@ -1,0 +1,114 @@
+"""Assembles a SpeculativeDecoder from user-facing names: target, draft, head.
+
+Draft specs: 'self:L' (the target's first L layers), a model name/folder/GGUF sharing the
+target's vocabulary, a draft checkpoint folder written by `diversed_jax.distill`, or None
+for the target's default draft (the shipped distilled draft when there is one, else
+'self:4'). Head specs: a head checkpoint folder, or None for the shipped default head of
+the pair, else a fixed w = 0.5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from diversed_jax.models import loading
+from diversed_jax.speculative import drafts
+from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
+
+FALLBACK_DRAFT = "self:4"
+FALLBACK_WEIGHT = 0.5
+
+# Hooks filled by the draft-distillation and head-training packages, so that this module
+# does not import them: name -> callable.
+#   DRAFT_LOADERS[kind](folder, target) -> (draft object, draft params)
+#   DEFAULT_DRAFTS[target name] -> draft spec (a folder)
+#   DEFAULT_HEADS[(target name, draft spec, task)] -> head folder
+#   HEAD_LOADER(folder) -> (weight_fn, head params)
+DRAFT_LOADERS: dict[str, Callable] = {}
+DEFAULT_DRAFTS: dict[str, str] = {}
+DEFAULT_HEADS: dict[tuple[str, str, str], str] = {}
+HEAD_LOADER: list[Callable] = []
+
+
+def _register_shipped_artifacts():
+  # Importing these packages registers their loaders and shipped defaults (if present).
+  for module in ("diversed_jax.distill.artifacts", "diversed_jax.training.artifacts"):
+    try:
+      __import__(module)
+    except ModuleNotFoundError as err:
+      if err.name is None or not module.startswith(err.name):
+        raise
+
+
+def constant_weight_fn(weight: float):
+  """A head that ignores its inputs: w_t = weight everywhere (the static ensemble)."""
+  def weight_fn(head_params, h_q, h_p):
+    del head_params, h_p
+    return jnp.full(h_q.shape[:-1], weight, jnp.float32)
+  return weight_fn
+
+
+@dataclasses.dataclass
+class Pair:
+  target: loading.LoadedModel
+  draft: Any
+  draft_params: Any
+  draft_spec: str
+
+
+def load_draft(draft_spec: str | None, target: loading.LoadedModel, dtype=jnp.float32):
+  """(draft object, draft params, resolved spec) for a draft spec (see module doc)."""
+  _register_shipped_artifacts()
+  if draft_spec is None:
+    draft_spec = DEFAULT_DRAFTS.get(target.name, FALLBACK_DRAFT)
+  num_layers = drafts.parse_self_draft(draft_spec)
+  if num_layers is not None:
+    draft, params = drafts.self_draft(target.config, target.params, num_layers)
+    return draft, params, draft_spec
+  marker = os.path.join(draft_spec, "draft_kind.txt")
+  if os.path.isfile(marker):
+    kind = open(marker).read().strip()
+    if kind not in DRAFT_LOADERS:
+      raise ValueError(f"draft folder {draft_spec!r} has kind {kind!r}; known kinds: "
+                       f"{sorted(DRAFT_LOADERS)}")
+    draft, params = DRAFT_LOADERS[kind](draft_spec, target)
+    return draft, params, draft_spec
+  model = loading.load_model(draft_spec, dtype)
+  if model.config.vocab_size != target.config.vocab_size:
+    raise ValueError(f"draft {draft_spec!r} has vocabulary size {model.config.vocab_size} "
+                     f"but target {target.name!r} has {target.config.vocab_size}")
+  return drafts.LMDraft(model.config), model.params, draft_spec
+
+
+def load_head(head_spec: str | None, target_name: str, draft_spec: str, task: str | None):
+  """(weight_fn, head params, description) for method 'diversed'."""
+  _register_shipped_artifacts()
+  if head_spec is None:
+    head_spec = DEFAULT_HEADS.get((target_name, draft_spec, task or ""))
+    if head_spec is None and task is None:
+      head_spec = next((v for (t, d, _), v in sorted(DEFAULT_HEADS.items())
+                        if t == target_name and d == draft_spec), None)
+  if head_spec is None:
+    return constant_weight_fn(FALLBACK_WEIGHT), {}, f"fixed w={FALLBACK_WEIGHT}"
+  if not HEAD_LOADER:
+    raise ValueError(f"head {head_spec!r} given but the training package is not available")
+  weight_fn, params = HEAD_LOADER[0](head_spec)
+  return weight_fn, params, head_spec
+
+
+def build_decoder(target: loading.LoadedModel, draft_spec: str | None = None,
+                  head_spec: str | None = None, task: str | None = None,
+                  need_draft: bool = True) -> tuple[SpeculativeDecoder, dict]:
+  """A decoder for `target` and a dict describing what was resolved."""
+  info = {"target": target.name}
+  handle = ModelHandle(target.config, target.params)
+  if not need_draft:
+    return SpeculativeDecoder(handle), info
+  draft, draft_params, resolved = load_draft(draft_spec, target)
+  weight_fn, head_params, head_desc = load_head(head_spec, target.name, resolved, task)
+  info.update(draft=resolved, head=head_desc)
+  return SpeculativeDecoder(handle, draft, draft_params, weight_fn, head_params), info

@@ -1,0 +1,112 @@
+"""Host-side front end of the speculative loop: padding, buckets, timing, results.
+
+`SpeculativeDecoder` binds a target, an optional draft and an optional ensemble head;
+`generate` pads prompts to a length bucket (so every batch in a bucket reuses one
+compiled program), runs `loop.decode` and returns plain Python/numpy results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diversed_jax.models.config import ModelConfig
+from diversed_jax.models.kv_cache import bucket_length
+from diversed_jax.speculative import loop
+from diversed_jax.speculative.types import VerifyParams
+
+PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0,
+                buckets: Sequence[int] = PROMPT_BUCKETS) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pads token lists to a shared bucket length: (tokens [B, P], lengths [B])."""
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  if lengths.min(initial=2) < 2:
+    raise ValueError(f"every prompt needs >= 2 tokens, got lengths {lengths.tolist()}")
+  width = bucket_length(int(lengths.max()), tuple(buckets))
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens[row, :len(prompt)] = prompt
+  return tokens, lengths
+
+
+@dataclasses.dataclass
+class Generation:
+  """Results of one batch, on the host."""
+  token_ids: list[list[int]]  # generated ids per row (EOS included when hit)
+  rounds: int
+  accepted_per_round: list[list[int]]  # per row, n for each round the row was active
+  stats: loop.RoundStats  # numpy arrays, [R, B, ...] trimmed to the rounds run
+  seconds: float  # wall-clock of the decode call (compiled)
+  compile_seconds: float
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(len(t) for t in self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelHandle:
+  config: ModelConfig
+  params: Any
+
+
+class SpeculativeDecoder:
+  """A target, an optional draft (object, params) and an optional head (weight_fn, params)."""
+
+  def __init__(self, target: ModelHandle, draft=None, draft_params=None, weight_fn=None,
+               head_params=None):
+    self.target = target
+    self.draft = draft
+    self.draft_params = draft_params
+    self.weight_fn = weight_fn
+    self.head_params = head_params
+    self._executables: dict = {}  # compiled programs, one per (spec, prompt bucket)
+
+  def _spec(self, verify: VerifyParams, num_draft: int, max_new_tokens: int,
+            eos_token_ids) -> loop.LoopSpec:
+    if verify.method != "ar" and self.draft is None:
+      raise ValueError(f"method {verify.method!r} needs a draft model")
+    return loop.LoopSpec(verify=verify, num_draft=0 if verify.method == "ar" else num_draft,
+                         max_new_tokens=max_new_tokens,
+                         eos_token_ids=tuple(eos_token_ids))
+
+  def generate(self, prompts: Sequence[Sequence[int]], verify: VerifyParams, *,
+               num_draft: int = 4, max_new_tokens: int = 64, seed: int = 0,
+               eos_token_ids: Sequence[int] | None = None, pad_id: int = 0) -> Generation:
+    if eos_token_ids is None:
+      eos_token_ids = self.target.config.eos_token_ids
+    spec = self._spec(verify, num_draft, max_new_tokens, eos_token_ids)
+    tokens, lengths = pad_prompts(prompts, pad_id)
+    cache_len = bucket_length(tokens.shape[1] + max_new_tokens + spec.num_draft + 2)
+    uses_draft = spec.num_draft > 0
+    args = (self.target.params, self.draft_params if uses_draft else None,
+            self.head_params if verify.method == "diversed" else None,
+            jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed))
+    kwargs = dict(spec=spec, target_config=self.target.config,
+                  draft=self.draft if uses_draft else None,
+                  weight_fn=self.weight_fn if verify.method == "diversed" else None,
+                  cache_len=cache_len)
+    compile_seconds = 0.0
+    signature = (spec, tokens.shape, cache_len)
+    if signature not in self._executables:
+      start = time.perf_counter()
+      self._executables[signature] = loop.decode.lower(*args, **kwargs).compile()
+      compile_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    result = jax.block_until_ready(self._executables[signature](*args))
+    seconds = time.perf_counter() - start
+    result = jax.device_get(result)
+    rounds = int(result.num_rounds)
+    stats = jax.tree.map(lambda x: np.asarray(x)[:rounds], result.stats)
+    token_ids = [row[:n].tolist() for row, n in zip(result.tokens_bn, result.num_generated_b)]
+    accepted = [stats.num_accepted_rb[stats.active_rb[:, b], b].tolist()
+                for b in range(len(prompts))]
+    return Generation(token_ids=token_ids, rounds=rounds, accepted_per_round=accepted,
+                      stats=stats, seconds=seconds, compile_seconds=compile_seconds)

@@ -1,0 +1,60 @@
+"""Drafts as the speculative loop sees them.
+
+A draft is a frozen (hashable, jit-static) object with
+
+  init_cache(batch, max_len, dtype) -> cache pytree
+  forward(params, tokens_bt, cache, target_hidden_btd) -> (logits_btv, hidden_btd, cache)
+
+`target_hidden_btd[:, t]` is the target's last hidden state at the position just before
+`tokens_bt[:, t]` (the state that predicted that token; zeros where unknown), or None when
+the tokens are the draft's own proposals that the target has not seen yet. An independent
+draft ignores it; a feature draft (EAGLE-style) reads it, and may keep its own features in
+its cache for the None case. The cache must support `.lengths_b` and
+`.with_lengths(lengths_b)` for roll-back; slots past the length are stale, never erased.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from diversed_jax.models import transformer
+from diversed_jax.models.config import ModelConfig
+from diversed_jax.models.kv_cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class LMDraft:
+  """An ordinary decoder LM sharing the target's vocabulary (also the `self:L` drafts)."""
+  config: ModelConfig
+
+  def init_cache(self, batch: int, max_len: int, dtype) -> KVCache:
+    return KVCache.create(self.config, batch, max_len, dtype)
+
+  def forward(self, params, tokens_bt, cache, target_hidden_btd=None):
+    del target_hidden_btd  # An independent draft does not read target features.
+    return transformer.forward(params, self.config, tokens_bt, cache)
+
+
+_SELF_DRAFT = re.compile(r"^self:(\d+)$")
+
+
+def self_draft(target_config: ModelConfig, target_params, num_layers: int):
+  """Layer-skip self-speculation: the target's first L layers + its final norm and head."""
+  if not 1 <= num_layers < target_config.num_layers:
+    raise ValueError(f"draft 'self:{num_layers}' needs 1 <= L < {target_config.num_layers} "
+                     "(the target's layer count)")
+  return (LMDraft(target_config.truncated(num_layers)),
+          transformer.truncate_layers(target_params, num_layers))
+
+
+def parse_self_draft(spec: str) -> int | None:
+  """'self:4' -> 4; anything else -> None."""
+  match = _SELF_DRAFT.match(spec.strip())
+  return int(match.group(1)) if match else None
+
+
+def draft_param_bytes(params) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

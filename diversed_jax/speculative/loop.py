@@ -1,0 +1,297 @@
+"""The speculative decoding loop: prefill, then one `lax.while_loop` over rounds.
+
+Each round (all rows at once, no host synchronisation):
+  1. draft: a `lax.scan` proposes K tokens from q (K+1 draft steps for the ensemble and
+     cascade rules, whose bonus token comes from their own law at K+1, needing q_{K+1});
+  2. verify: one target forward over the K+1 positions [x0, d_1..d_K];
+  3. the vectorised verification rule and `resolve_round` give each row its n leading
+     accepts and one residual or bonus token;
+  4. commit: each row appends its n + 1 tokens at its own write head and rolls its caches
+     back by moving their lengths; rows stop on EOS or max_new_tokens.
+With K = 0 the same loop is plain autoregressive decoding (the baseline).
+
+Cache convention: after every round the target cache holds all committed tokens except
+the last one (the "pending" token x0, whose logits are not yet computed); so does the
+draft cache, up to one extra token that the first draft step rewrites harmlessly (it feeds
+the last two committed tokens, recomputing identical keys and values for the first).
+
+Shape legend: B rows, P prompt bucket, K drafts per round, V vocabulary, D hidden,
+R rounds (at most max_new_tokens), N output buffer (max_new_tokens + K + 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from diversed_jax.models import transformer
+from diversed_jax.models.config import ModelConfig
+from diversed_jax.models.kv_cache import KVCache
+from diversed_jax.speculative import distributions, verification
+from diversed_jax.speculative.types import METHODS, VerifyParams
+
+# Rules whose bonus token comes from their own law at K+1, which needs q_{K+1}.
+BONUS_NEEDS_DRAFT = ("static", "static_logit", "diversed", "cascade")
+
+# (head_params, h_q [..., Dq], h_p [..., Dp]) -> w [...], the weight on the target.
+WeightFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+  """Static description of a decoding run (hashable: a jit static argument)."""
+  verify: VerifyParams
+  num_draft: int = 4
+  max_new_tokens: int = 64
+  eos_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.verify.method not in METHODS:
+      raise ValueError(f"method={self.verify.method!r} is not one of {METHODS}")
+    if self.num_draft < 0:
+      raise ValueError(f"num_draft={self.num_draft} must be >= 0")
+    if self.verify.method != "ar" and self.num_draft == 0:
+      raise ValueError(f"method={self.verify.method!r} needs num_draft >= 1")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+  @property
+  def num_draft_steps(self) -> int:
+    """Draft forward steps per round: K, plus one for q_{K+1} with the ensemble rules."""
+    return self.num_draft + (self.verify.method in BONUS_NEEDS_DRAFT)
+
+  @property
+  def max_rounds(self) -> int:
+    return self.max_new_tokens
+
+
+@flax.struct.dataclass
+class RoundStats:
+  """Per-round statistics, [R, B, ...]; rows inactive in a round have active_rb False."""
+  active_rb: jax.Array  # bool
+  num_accepted_rb: jax.Array  # int32, n
+  accept_prob_rbk: jax.Array  # a_i(x_i)
+  beta_rbk: jax.Array  # 1 - TV(q_i, pi_i)
+  weights_rbk: jax.Array  # w_i on the target (K+1 positions for the ensembles, else zeros)
+
+
+@flax.struct.dataclass
+class DecodeResult:
+  tokens_bn: jax.Array  # generated ids; entries past num_generated_b are padding
+  num_generated_b: jax.Array
+  num_rounds: jax.Array  # rounds the loop ran (scalar)
+  stats: RoundStats
+
+
+@flax.struct.dataclass
+class _State:
+  round: jax.Array
+  key: jax.Array
+  target_cache: KVCache
+  draft_cache: Any
+  last_two_b2: jax.Array  # the last two committed tokens; [:, 1] is the pending x0
+  features_b2d: jax.Array  # target hidden states that predicted those two tokens
+  out_bn: jax.Array
+  num_generated_b: jax.Array
+  done_b: jax.Array
+  stats: RoundStats
+
+
+def _first_index(mask_bk: jax.Array) -> jax.Array:
+  """Index of the first True per row, or K when none."""
+  k = mask_bk.shape[-1]
+  return jnp.min(jnp.where(mask_bk, jnp.arange(k), k), axis=-1)
+
+
+def _draft_round(spec: LoopSpec, draft, draft_params, state: _State, key):
+  """Runs the draft for one round.
+
+  Returns drafts_bk [B, K], draft_logits_bsv [B, steps, V], draft_hidden_bsd, cache.
+  """
+  vp = spec.verify
+  cache = state.draft_cache.with_lengths(state.target_cache.lengths_b - 1)
+  logits, hidden, cache = draft.forward(draft_params, state.last_two_b2, cache,
+                                        state.features_b2d)
+  first = (logits[:, -1], hidden[:, -1])
+
+  def step(carry, step_key):
+    logits_bv, hidden_bd, cache = carry
+    probs = distributions.scaled_probs(logits_bv, vp.temperature, vp.top_p)
+    token_b = distributions.sample_categorical(step_key, probs)
+    logits, hidden, cache = draft.forward(draft_params, token_b[:, None], cache, None)
+    return (logits[:, 0], hidden[:, 0], cache), (token_b, logits_bv, hidden_bd)
+
+  steps = spec.num_draft_steps
+  keys = jax.random.split(key, steps)
+  # The first K-1 (or K) steps both sample and feed; the last step only samples.
+  (last_logits, last_hidden, cache), (tokens, logits_s, hidden_s) = jax.lax.scan(
+      step, (*first, cache), keys[:steps - 1])
+  last_probs = distributions.scaled_probs(last_logits, vp.temperature, vp.top_p)
+  last_token = distributions.sample_categorical(keys[-1], last_probs)
+  tokens_sb = jnp.concatenate([tokens, last_token[None]], 0)
+  logits_sbv = jnp.concatenate([logits_s, last_logits[None]], 0)
+  hidden_sbd = jnp.concatenate([hidden_s, last_hidden[None]], 0)
+  drafts_bk = tokens_sb.T[:, :spec.num_draft]
+  return drafts_bk, logits_sbv.swapaxes(0, 1), hidden_sbd.swapaxes(0, 1), cache
+
+
+def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params, state):
+  target_params, draft_params, head_params = params
+  vp = spec.verify
+  k = spec.num_draft
+  key, draft_key, verify_key = jax.random.split(state.key, 3)
+  b = state.num_generated_b.shape[0]
+
+  if k == 0:
+    draft_cache = state.draft_cache
+    drafts_bk = jnp.zeros((b, 0), jnp.int32)
+  else:
+    drafts_bk, draft_logits, draft_hidden, draft_cache = _draft_round(
+        spec, draft, draft_params, state, draft_key)
+
+  target_in = jnp.concatenate([state.last_two_b2[:, 1:], drafts_bk], axis=1)
+  target_logits, target_hidden, target_cache = transformer.forward(
+      target_params, target_config, target_in, state.target_cache)
+
+  zeros_bk = jnp.zeros((b, k), jnp.float32)
+  weights = jnp.zeros((b, k + 1), jnp.float32)
+  if k == 0:
+    probs = distributions.scaled_probs(target_logits[:, 0], vp.temperature, vp.top_p)
+    num_accepted = jnp.zeros((b,), jnp.int32)
+    next_token = distributions.sample_categorical(verify_key, probs)
+    accept_prob, beta = zeros_bk, zeros_bk
+  else:
+    if vp.method == "diversed":
+      weights = weight_fn(head_params, draft_hidden, target_hidden)
+    verdict = verification.get_rule(vp.method)(
+        draft_logits, target_logits, drafts_bk, vp,
+        weights if vp.method == "diversed" else None)
+    outcome = verification.resolve_round(verdict, drafts_bk, verify_key)
+    num_accepted, next_token = outcome.num_accepted_b, outcome.next_token_b
+    accept_prob, beta = verdict.accept_prob_bk, verdict.beta_bk
+
+  # Commit: the round's tokens are d_1..d_n then the residual/bonus token at index n.
+  positions_k1 = jnp.arange(k + 1)
+  round_tokens = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
+  round_tokens = jnp.where(positions_k1 == num_accepted[:, None], next_token[:, None],
+                           round_tokens)
+  committed_mask = positions_k1 <= num_accepted[:, None]
+  rows_b1 = jnp.arange(b)[:, None]
+  active = ~state.done_b
+  write_pos = state.num_generated_b[:, None] + positions_k1
+  out_bn = state.out_bn.at[rows_b1, write_pos].set(
+      jnp.where(active[:, None], round_tokens, state.out_bn[rows_b1, write_pos]))
+
+  new_count = num_accepted + 1
+  if spec.eos_token_ids:
+    is_eos = jnp.isin(round_tokens, jnp.asarray(spec.eos_token_ids)) & committed_mask
+    first_eos = _first_index(is_eos)
+    hit_eos = first_eos <= num_accepted
+    new_count = jnp.where(hit_eos, first_eos + 1, new_count)
+  else:
+    hit_eos = jnp.zeros((b,), bool)
+  num_generated = state.num_generated_b + jnp.where(active, new_count, 0)
+  hit_limit = num_generated >= spec.max_new_tokens
+  num_generated = jnp.minimum(num_generated, spec.max_new_tokens)
+  done = state.done_b | (active & (hit_eos | hit_limit))
+
+  # Roll back: x0 and the n accepted drafts are now in the target cache; the new pending
+  # token is next_token. Finished rows keep their lengths.
+  lengths = jnp.where(active, state.target_cache.lengths_b + num_accepted + 1,
+                      state.target_cache.lengths_b)
+  prev = jnp.where(num_accepted > 0,
+                   jnp.take_along_axis(round_tokens, jnp.maximum(num_accepted - 1, 0)[:, None],
+                                       axis=1)[:, 0],
+                   state.last_two_b2[:, 1])
+  last_two = jnp.where(active[:, None], jnp.stack([prev, next_token], axis=1), state.last_two_b2)
+  # Features of the new last two tokens: target hidden at indices n-1 and n of this pass
+  # (for n = 0 the first one is the old second feature).
+  at_n = jnp.take_along_axis(target_hidden, num_accepted[:, None, None], axis=1)[:, 0]
+  before_n = jnp.take_along_axis(
+      target_hidden, jnp.maximum(num_accepted - 1, 0)[:, None, None], axis=1)[:, 0]
+  before_n = jnp.where((num_accepted > 0)[:, None], before_n, state.features_b2d[:, 1])
+  features = jnp.stack([before_n, at_n], axis=1).astype(state.features_b2d.dtype)
+  features = jnp.where(active[:, None, None], features, state.features_b2d)
+
+  r = state.round
+  stats = state.stats
+  stats = RoundStats(
+      active_rb=stats.active_rb.at[r].set(active),
+      num_accepted_rb=stats.num_accepted_rb.at[r].set(num_accepted),
+      accept_prob_rbk=stats.accept_prob_rbk.at[r].set(accept_prob),
+      beta_rbk=stats.beta_rbk.at[r].set(beta),
+      weights_rbk=stats.weights_rbk.at[r].set(weights.astype(jnp.float32)),
+  )
+  return _State(
+      round=r + 1, key=key,
+      target_cache=target_cache.with_lengths(lengths),
+      draft_cache=draft_cache,
+      last_two_b2=last_two,
+      features_b2d=features,
+      out_bn=out_bn, num_generated_b=num_generated, done_b=done, stats=stats)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "target_config", "draft", "weight_fn",
+                                             "cache_len"))
+def decode(target_params, draft_params, head_params, prompt_bp, prompt_lengths_b, key, *,
+           spec: LoopSpec, target_config: ModelConfig, draft=None,
+           weight_fn: WeightFn | None = None, cache_len: int) -> DecodeResult:
+  """Prefills both models and runs the speculative loop; everything in one program.
+
+  Args:
+    prompt_bp: right-padded prompts [B, P] (P a bucket length), prompt_lengths_b >= 2.
+    draft: a draft object (see drafts.py) or None for autoregressive decoding.
+    weight_fn: the ensemble head for method 'diversed'.
+    cache_len: static cache slots, >= P + max_new_tokens + K + 1.
+  Returns:
+    DecodeResult with tokens_bn [B, max_new_tokens + K + 1].
+  """
+  b, _ = prompt_bp.shape
+  k = spec.num_draft
+  dtype = target_params["embed"].dtype
+  if spec.verify.method == "diversed" and weight_fn is None:
+    raise ValueError("method 'diversed' needs an ensemble head (weight_fn)")
+
+  # Prefill all but the last prompt token; it becomes the pending token x0.
+  prefix = prompt_bp[:, :-1]
+  hidden, target_cache = transformer.forward_hidden(
+      target_params, target_config, prefix, KVCache.create(target_config, b, cache_len, dtype))
+  target_cache = target_cache.with_lengths(prompt_lengths_b - 1)
+  # features_btd[:, t] = the target hidden state that predicted prompt token t (zeros at 0).
+  features_btd = jnp.pad(hidden, ((0, 0), (1, 0), (0, 0)))
+  if draft is None:
+    draft_cache = None
+  else:
+    _, _, draft_cache = draft.forward(draft_params, prefix,
+                                      draft.init_cache(b, cache_len, dtype),
+                                      features_btd[:, :-1])
+  last_idx_b2 = (prompt_lengths_b[:, None] - 2) + jnp.arange(2)
+  last_two = jnp.take_along_axis(prompt_bp, last_idx_b2, axis=1)
+  features_b2d = jnp.take_along_axis(features_btd, last_idx_b2[:, :, None], axis=1)
+
+  rounds = spec.max_rounds
+  state = _State(
+      round=jnp.zeros((), jnp.int32), key=key,
+      target_cache=target_cache, draft_cache=draft_cache,
+      last_two_b2=last_two.astype(jnp.int32), features_b2d=features_b2d,
+      out_bn=jnp.zeros((b, spec.max_new_tokens + k + 1), jnp.int32),
+      num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.zeros((b,), bool),
+      stats=RoundStats(
+          active_rb=jnp.zeros((rounds, b), bool),
+          num_accepted_rb=jnp.zeros((rounds, b), jnp.int32),
+          accept_prob_rbk=jnp.zeros((rounds, b, k), jnp.float32),
+          beta_rbk=jnp.zeros((rounds, b, k), jnp.float32),
+          weights_rbk=jnp.zeros((rounds, b, k + 1), jnp.float32)))
+
+  params = (target_params, draft_params, head_params)
+  state = jax.lax.while_loop(
+      lambda s: (s.round < rounds) & ~jnp.all(s.done_b),
+      functools.partial(_round, spec, target_config, draft, weight_fn, params),
+      state)
+  return DecodeResult(tokens_bn=state.out_bn, num_generated_b=state.num_generated_b,
+                      num_rounds=state.round, stats=state.stats)
