@@ -1,0 +1,34 @@
+"""The speculative loop on the real embedded SmolLM2-135M-Instruct (slow: loads 540 MB)."""
+
+import pytest
+
+from diversed_jax import tokenizer as tokenizer_lib
+from diversed_jax.models import loading
+from diversed_jax.speculative import build
+from diversed_jax.speculative.types import VerifyParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is 12 + 7?", "Name three colours of the rainbow.",
+             "Write one sentence about the sea.", "What is the capital of Italy?"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+  target = loading.load_model("smollm2-135m-instruct")
+  tokenizer = tokenizer_lib.load_tokenizer("smollm2-135m-instruct")
+  prompts = [tokenizer_lib.encode_prompt(tokenizer, q, chat=True) for q in QUESTIONS]
+  decoder, _ = build.build_decoder(target, "self:6")
+  return decoder, prompts
+
+
+def test_greedy_speculative_equals_greedy_autoregressive(setup):
+  decoder, prompts = setup
+  greedy_ar = VerifyParams(method="ar", temperature=0.0)
+  greedy_sd = VerifyParams(method="sd", temperature=0.0)
+  expected = decoder.generate(prompts, greedy_ar, max_new_tokens=20).token_ids
+  assert decoder.generate(prompts[:1], greedy_ar, max_new_tokens=20).token_ids == expected[:1]
+  for k in (2, 5):
+    for batch in (prompts[:1], prompts):
+      got = decoder.generate(batch, greedy_sd, num_draft=k, max_new_tokens=20)
+      assert got.token_ids == expected[:len(batch)], (k, len(batch))
