@@ -17,6 +17,7 @@ import numpy as np
 
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
+from diversed_jax.parallel import mesh as mesh_lib
 from diversed_jax.speculative import loop
 from diversed_jax.speculative.types import VerifyParams
 
@@ -61,7 +62,10 @@ class SpeculativeDecoder:
   """A target, an optional draft (object, params) and an optional head (weight_fn, params)."""
 
   def __init__(self, target: ModelHandle, draft=None, draft_params=None, weight_fn=None,
-               head_params=None):
+               head_params=None, mesh=None):
+    """`mesh`: an optional jax.sharding.Mesh; rows are then split over its 'data' axis
+    (the batch must divide by its size) and parameters replicated."""
+    self.mesh = mesh
     self.target = target
     self.draft = draft
     self.draft_params = draft_params
@@ -89,6 +93,10 @@ class SpeculativeDecoder:
     args = (self.target.params, self.draft_params if uses_draft else None,
             self.head_params if verify.method == "diversed" else None,
             jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed))
+    if self.mesh is not None:
+      rows = mesh_lib.batch_sharded(self.mesh)
+      args = (*mesh_lib.place(args[:3], mesh_lib.replicated(self.mesh)),
+              *mesh_lib.place(args[3:5], rows), args[5])
     kwargs = dict(spec=spec, target_config=self.target.config,
                   draft=self.draft if uses_draft else None,
                   weight_fn=self.weight_fn if verify.method == "diversed" else None,
