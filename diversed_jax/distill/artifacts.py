@@ -1,0 +1,121 @@
+"""Draft asset folders, and the registration of the distilled draft kinds with
+`diversed_jax.speculative.build` (importing this module registers them).
+
+A draft folder holds
+  draft_kind.txt   'distill_feature' or 'distill_independent' (the DRAFT_LOADERS key)
+  draft.json       the DistilledDraft fields and the target it was distilled from
+  params.npz       trainable leaves ('/'-joined paths, float16 storage) + 'vocab_ids'
+The frozen leaves (embedding, kept head rows) are rebuilt from the target when loading, so
+the folder stays small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diversed_jax.distill.architectures import DistilledDraft, frozen_params
+from diversed_jax.models.config import ModelConfig
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafts")
+KIND_PREFIX = "distill_"
+# The shipped default draft per target name (a folder under ASSETS).
+SHIPPED_DEFAULTS = {"smollm2-135m-instruct": "smollm2-135m-feature"}
+
+
+def _flatten(tree, prefix=""):
+  out = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict):
+      out.update(_flatten(value, name + "/"))
+    else:
+      out[name] = value
+  return out
+
+
+def _unflatten(flat):
+  tree = {}
+  for name, value in flat.items():
+    node = tree
+    parts = name.split("/")
+    for part in parts[:-1]:
+      node = node.setdefault(part, {})
+    node[parts[-1]] = value
+  return tree
+
+
+def save_draft(folder: str, draft: DistilledDraft, train_params, vocab_ids, target_name: str,
+               extra: dict | None = None, dtype=np.float16) -> None:
+  """Writes a draft folder (see the module doc); float leaves stored as `dtype`."""
+  os.makedirs(folder, exist_ok=True)
+  flat = {k: np.asarray(v, np.float32).astype(dtype)
+          for k, v in _flatten(jax.device_get(train_params)).items()}
+  flat["vocab_ids"] = np.asarray(vocab_ids, np.int32)
+  tmp = os.path.join(folder, "params.tmp.npz")
+  np.savez(tmp, **flat)
+  os.replace(tmp, os.path.join(folder, "params.npz"))
+  meta = {"kind": draft.kind, "config": dataclasses.asdict(draft.config),
+          "target_hidden": draft.target_hidden, "vocab_size": draft.vocab_size,
+          "target": target_name, **(extra or {})}
+  with open(os.path.join(folder, "draft.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+  with open(os.path.join(folder, "draft_kind.txt"), "w") as f:
+    f.write(KIND_PREFIX + draft.kind + "\n")
+
+
+def read_draft(folder: str):
+  """(DistilledDraft, trainable params float32, vocab_ids, metadata) of a draft folder."""
+  with open(os.path.join(folder, "draft.json")) as f:
+    meta = json.load(f)
+  cfg = dict(meta["config"])
+  for key in ("eos_token_ids",):
+    cfg[key] = tuple(cfg[key])
+  for key in ("rope_scaling", "sliding_layers"):
+    if cfg.get(key) is not None:
+      cfg[key] = tuple(tuple(x) if isinstance(x, list) else x for x in cfg[key])
+  draft = DistilledDraft(kind=meta["kind"], config=ModelConfig(**cfg),
+                         target_hidden=meta["target_hidden"], vocab_size=meta["vocab_size"])
+  with np.load(os.path.join(folder, "params.npz")) as z:
+    flat = {k: z[k] for k in z.files}
+  vocab_ids = flat.pop("vocab_ids")
+  train = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), _unflatten(flat))
+  return draft, train, vocab_ids, meta
+
+
+def load_draft_folder(folder: str, target):
+  """DRAFT_LOADERS entry: (draft object, params) for a target LoadedModel."""
+  draft, train, vocab_ids, meta = read_draft(folder)
+  if draft.vocab_size != target.config.vocab_size or \
+      draft.target_hidden != target.config.hidden_size:
+    raise ValueError(f"draft folder {folder!r} was distilled for {meta.get('target')!r} "
+                     f"(vocabulary {draft.vocab_size}, width {draft.target_hidden}), not for "
+                     f"{target.name!r}")
+  return draft, {"train": train, "frozen": frozen_params(target.params, vocab_ids)}
+
+
+def shipped_draft(target_name: str) -> str | None:
+  """The shipped draft folder of a target, when it exists in this checkout."""
+  name = SHIPPED_DEFAULTS.get(target_name)
+  if name is None:
+    return None
+  folder = os.path.join(ASSETS, name)
+  return folder if os.path.isfile(os.path.join(folder, "draft_kind.txt")) else None
+
+
+def register() -> None:
+  from diversed_jax.speculative import build
+  for kind in ("feature", "independent"):
+    build.DRAFT_LOADERS[KIND_PREFIX + kind] = load_draft_folder
+  for target_name in SHIPPED_DEFAULTS:
+    folder = shipped_draft(target_name)
+    if folder is not None:
+      build.DEFAULT_DRAFTS.setdefault(target_name, folder)
+
+
+register()

@@ -1,0 +1,183 @@
+"""Distillation data: the target's own continuations of train-split prompts.
+
+A shard is one batch of prompts from one source: the target continues each prompt
+(through the speculative loop with method 'ar', greedy or sampled), then one teacher-
+forced target pass over prompt + continuation records, at every position t,
+  hidden_nld   the target's last hidden state f_t (post final norm; float16),
+  topk_ids_nlk / topk_logp_nlk  its top-k next-token ids (uint16) and log-probs (float16).
+Shards are `shard_NNNNN.npz` files in the data folder, written atomically; generation
+resumes by skipping the shards already there.
+
+Shape legend: N sequences in a shard, L padded length, D target width, K top-k.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import random
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diversed_jax.models import transformer
+from diversed_jax.models.kv_cache import KVCache, bucket_length
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
+
+# How a record of each source becomes a user turn: the formats of
+# diversed_jax.tasks.prompts (zero-shot), so the draft learns the target's behaviour on the
+# prompts it will serve. CNN/DM articles are cut to a character budget.
+TEMPLATES = {
+    "gsm8k": ("Solve the following math problem. Let's think step by step, then end your "
+              "answer with \"The answer is N\", where N is the final number.\n\n"
+              "Question: {question}\nAnswer:", "question"),
+    "cnndm": ("Summarize the following news article in three sentences.\n\n"
+              "Article: {article}\nSummary:", "article"),
+}
+
+
+def resolve_path(path: str) -> str:
+  """A path as given, or relative to the package's data folder."""
+  if os.path.exists(path):
+    return path
+  return os.path.join(DATA_DIR, path)
+
+
+def load_prompts(source: str, paths, limit: int = 0, max_chars: int = 2500) -> list[str]:
+  """User-turn texts of one source ('gsm8k' or 'cnndm') from JSONL files (one path or a
+  sequence of paths, read in order)."""
+  template, field = TEMPLATES[source]
+  texts = []
+  for path in ([paths] if isinstance(paths, str) else paths):
+    with open(resolve_path(path)) as f:
+      for line in f:
+        record = json.loads(line)
+        body = record[field]
+        if len(body) > max_chars:
+          body = body[:max_chars].rstrip() + " ..."
+        texts.append(template.format(**{field: body}))
+        if limit and len(texts) >= limit:
+          return texts
+  return texts
+
+
+def shard_plan(sources: dict, pattern: tuple[str, ...], batch: int, seed: int):
+  """Per shard i: (source, prompt texts). Prompts are shuffled once per source with `seed`;
+  shards cycle through `pattern` (e.g. ('gsm8k', 'cnndm', 'gsm8k')) until a source runs out."""
+  pools = {}
+  for name, texts in sources.items():
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    pools[name] = [texts[i] for i in order]
+  used = {name: 0 for name in pools}
+  plan = []
+  while True:
+    progressed = False
+    for name in pattern:
+      start = used[name]
+      if start + batch <= len(pools[name]):
+        plan.append((name, pools[name][start:start + batch]))
+        used[name] += batch
+        progressed = True
+    if not progressed:
+      return plan
+
+
+@functools.partial(jax.jit, static_argnames=("config", "top_k", "chunk"))
+def teacher_forced(params, config, tokens_bl, *, top_k: int, chunk: int = 128):
+  """Target hidden states [B, L, D] and top-k (ids, log-probs) [B, L, K] at every position."""
+  b, l = tokens_bl.shape
+  cache = KVCache.create(config, b, l, params["embed"].dtype)
+  hidden, _ = transformer.forward_hidden(params, config, tokens_bl, cache)
+
+  def one_chunk(h_bcd):
+    logp = jax.nn.log_softmax(transformer.logits_from_hidden(params, config, h_bcd), axis=-1)
+    vals, ids = jax.lax.top_k(logp, top_k)
+    return ids, vals
+
+  chunks = hidden.reshape(b, l // chunk, chunk, -1).swapaxes(0, 1)
+  ids, vals = jax.lax.map(one_chunk, chunks)
+  ids = ids.swapaxes(0, 1).reshape(b, l, top_k)
+  vals = vals.swapaxes(0, 1).reshape(b, l, top_k)
+  return hidden, ids, vals
+
+
+def make_shard(decoder, tokenizer, texts, *, temperature: float, max_new_tokens: int,
+               top_k: int, seed: int) -> dict:
+  """One shard's arrays (see the module doc) for a list of prompt texts."""
+  from diversed_jax.tokenizer import encode_prompt
+  prompts = [encode_prompt(tokenizer, t, chat=True) for t in texts]
+  return shard_from_prompts(decoder, prompts, temperature=temperature,
+                            max_new_tokens=max_new_tokens, top_k=top_k, seed=seed)
+
+
+def shard_from_prompts(decoder, prompts, *, temperature: float, max_new_tokens: int,
+                       top_k: int, seed: int, eos_token_ids=None) -> dict:
+  """One shard's arrays for prompts given as token-id lists."""
+  from diversed_jax.speculative.types import VerifyParams
+  gen = decoder.generate(prompts, VerifyParams(method="ar", temperature=temperature),
+                         max_new_tokens=max_new_tokens, seed=seed,
+                         eos_token_ids=eos_token_ids)
+  seqs = [p + g for p, g in zip(prompts, gen.token_ids)]
+  width = bucket_length(max(len(s) for s in seqs), (128, 256, 384, 512, 640, 768, 1024))
+  tokens = np.zeros((len(seqs), width), np.int32)
+  for i, s in enumerate(seqs):
+    tokens[i, :len(s)] = s
+  config = decoder.target.config
+  hidden, ids, logp = teacher_forced(decoder.target.params, config, jnp.asarray(tokens),
+                                     top_k=top_k)
+  return {
+      "tokens": tokens,
+      "lengths": np.asarray([len(s) for s in seqs], np.int32),
+      "prompt_lengths": np.asarray([len(p) for p in prompts], np.int32),
+      "hidden": np.asarray(hidden, np.float16),
+      "topk_ids": np.asarray(ids).astype(np.uint16 if config.vocab_size <= 65536 else np.int32),
+      "topk_logp": np.asarray(logp, np.float16),
+      "temperature": np.float32(temperature),
+  }
+
+
+def shard_path(folder: str, index: int) -> str:
+  return os.path.join(folder, f"shard_{index:05d}.npz")
+
+
+def save_shard(folder: str, index: int, arrays: dict) -> None:
+  os.makedirs(folder, exist_ok=True)
+  tmp = shard_path(folder, index) + ".tmp.npz"
+  np.savez(tmp, **arrays)
+  os.replace(tmp, shard_path(folder, index))
+
+
+def list_shards(folder: str) -> list[str]:
+  return sorted(glob.glob(os.path.join(folder, "shard_[0-9][0-9][0-9][0-9][0-9].npz")))
+
+
+def generate(data_cfg, target, out_dir: str, log=print) -> int:
+  """Writes missing shards up to data_cfg.num_shards; returns the shard count on disk."""
+  from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
+  from diversed_jax.tokenizer import load_tokenizer
+  sources = {"gsm8k": load_prompts("gsm8k", data_cfg.gsm8k_path, max_chars=10_000),
+             "cnndm": load_prompts("cnndm", data_cfg.cnndm_path, max_chars=data_cfg.max_chars)}
+  plan = shard_plan(sources, tuple(data_cfg.pattern), data_cfg.batch, data_cfg.seed)
+  tokenizer = load_tokenizer(data_cfg.tokenizer or target.name)
+  decoder = SpeculativeDecoder(ModelHandle(target.config, target.params))
+  temps = tuple(data_cfg.temperatures)
+  for index, (source, texts) in enumerate(plan[:data_cfg.num_shards]):
+    if os.path.exists(shard_path(out_dir, index)):
+      continue
+    start = time.time()
+    temperature = temps[(index // len(data_cfg.pattern)) % len(temps)]
+    max_new = data_cfg.max_new_tokens_cnndm if source == "cnndm" else data_cfg.max_new_tokens
+    arrays = make_shard(decoder, tokenizer, texts, temperature=temperature,
+                        max_new_tokens=max_new, top_k=data_cfg.top_k,
+                        seed=data_cfg.seed * 100_003 + index)
+    save_shard(out_dir, index, arrays)
+    gen_tokens = int((arrays["lengths"] - arrays["prompt_lengths"]).sum())
+    log(f"shard {index} {source} T={temperature} width={arrays['tokens'].shape[1]} "
+        f"generated={gen_tokens} in {time.time() - start:.1f}s")
+  return len(list_shards(out_dir))

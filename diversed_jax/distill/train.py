@@ -1,0 +1,299 @@
+"""The distillation training loop (DistillSpec-style) with resumable orbax checkpoints.
+
+State = trainable draft params, AdamW state, step, RNG key and the number of training
+shards in use (the data position: windows of step s are a pure function of (seed, s, n)).
+A checkpoint is written every `checkpoint_every` steps; a run killed at any point (even
+kill -9) resumes from the latest complete one. The held-out evaluation keeps the best draft
+as an asset folder in `<workdir>/best` (see artifacts.py); `mode=export` copies it out.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+from diversed_jax.distill import architectures, artifacts, batches, data, losses
+
+MODES = ("data", "train", "export")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first bad field."""
+  checks = [
+      ("mode", config.mode in MODES),
+      ("draft.kind", config.draft.kind in architectures.KINDS),
+      ("train.loss", config.train.loss in losses.LOSSES),
+      ("train.unroll", config.train.unroll >= 1),
+      ("train.batch", config.train.batch >= 1),
+      ("train.window", config.train.window >= 2),
+      ("draft.vocab_keep", config.draft.vocab_keep >= 3),
+      ("draft.num_layers", config.draft.num_layers >= 1),
+      ("train.checkpoint_every", config.train.checkpoint_every >= 1),
+  ]
+  for field, ok in checks:
+    if not ok:
+      section, _, name = field.rpartition(".")
+      value = (config[section] if section else config)[name]
+      raise ValueError(f"config.{field}={value!r} is invalid")
+
+
+def _log_fn(workdir: str):
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "log.txt")
+
+  def log(msg: str):
+    line = f"{time.strftime('%H:%M:%S')} {msg}"
+    print(line, flush=True)
+    with open(path, "a") as f:
+      f.write(line + "\n")
+  return log
+
+
+@functools.partial(jax.jit, static_argnames=("draft", "hp"))
+def _metrics_and_loss(train_params, frozen, batch, *, draft, hp):
+  """(loss, metrics) of one batch; hp = (loss name, feature weight, unroll)."""
+  loss_name, feature_weight, unroll = hp
+  params = {"train": train_params, "frozen": frozen}
+  logits, hidden = draft.train_forward(params, batch["tokens_bw"], batch["features_bwd"],
+                                       unroll=unroll)
+  terms = losses.distill_terms(logits, batch["topk_kept_bwk"], batch["topk_logp_bwk"])
+  mask = batch["weight_bw"][None]
+  main = terms["ce"] if loss_name == "kl" else terms["tv"]
+  loss = losses.masked_mean(main, jnp.broadcast_to(mask, main.shape))
+  metrics = {}
+  if draft.kind == "feature" and feature_weight > 0:
+    feat = losses.feature_loss(hidden, batch["target_features_bwd"])
+    feat = losses.masked_mean(feat, jnp.broadcast_to(mask, feat.shape))
+    loss = loss + feature_weight * feat
+    metrics["feature"] = feat
+  gen_mask = (batch["weight_bw"] == 1.0).astype(jnp.float32)[None]
+  for name in ("accept", "top1"):
+    for j in range(logits.shape[0]):
+      metrics[f"{name}{j + 1}"] = losses.masked_mean(terms[name][j], gen_mask[0])
+  metrics["loss"] = loss
+  return loss, metrics
+
+
+def _optimizer(tc) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, tc.lr, tc.warmup, max(tc.decay_steps, tc.warmup + 1), end_value=0.1 * tc.lr)
+  return optax.chain(optax.clip_by_global_norm(tc.clip),
+                     optax.adamw(schedule, weight_decay=tc.weight_decay))
+
+
+@functools.partial(jax.jit, static_argnames=("draft", "hp", "tx"), donate_argnums=(0, 1))
+def _train_step(train_params, opt_state, frozen, batch, *, draft, hp, tx):
+  (_, metrics), grads = jax.value_and_grad(_metrics_and_loss, has_aux=True)(
+      train_params, frozen, batch, draft=draft, hp=hp)
+  updates, opt_state = tx.update(grads, opt_state, train_params)
+  return optax.apply_updates(train_params, updates), opt_state, metrics
+
+
+def _draft_from_config(config, target_config) -> architectures.DistilledDraft:
+  dc = config.draft
+  cfg = architectures.draft_config(dc.kind, target_config, dc.num_layers, dc.hidden_size,
+                                   dc.num_heads, dc.num_kv_heads, dc.intermediate_size)
+  return architectures.DistilledDraft(kind=dc.kind, config=cfg,
+                                      target_hidden=target_config.hidden_size,
+                                      vocab_size=target_config.vocab_size)
+
+
+class Trainer:
+  """Builds or restores the training state and runs steps; usable from tests."""
+
+  def __init__(self, config, target, log=print):
+    validate(config)
+    self.config, self.target, self.log = config, target, log
+    tc = config.train
+    self.workdir = os.path.abspath(config.workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    self.pool = batches.ShardPool(config.data.dir, tuple(tc.eval_shards))
+    self.tx = _optimizer(tc)
+    self.hp = (tc.loss, float(tc.feature_weight), int(tc.unroll))
+    self.manager = ocp.CheckpointManager(
+        os.path.join(self.workdir, "checkpoints"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=tc.keep_checkpoints, create=True))
+    self._setup()
+
+  # ---- state -------------------------------------------------------------------------
+  def _wait_for_shards(self, needed: int) -> int:
+    while True:
+      n = self.pool.available()
+      if n >= needed:
+        return n
+      self.log(f"waiting for {needed} training shards in {self.config.data.dir} (have {n})")
+      time.sleep(60)
+
+  def _setup(self):
+    tc = self.config.train
+    vocab_path = os.path.join(self.workdir, "vocab_ids.npy")
+    init_meta = None
+    if tc.init_from:
+      draft, init_train, init_vocab, init_meta = artifacts.read_draft(tc.init_from)
+    else:
+      draft = _draft_from_config(self.config, self.target.config)
+    self.draft = draft
+    latest = self.manager.latest_step()
+    if latest is None:
+      num_shards = self._wait_for_shards(max(1, tc.min_shards))
+    else:
+      num_shards = None
+    if os.path.exists(vocab_path):
+      vocab_ids = np.load(vocab_path)
+    elif init_meta is not None:
+      vocab_ids = init_vocab
+    else:
+      self.pool.use(num_shards)
+      vocab_ids, coverage = batches.choose_vocab(self.pool.sequences, self.config.draft.vocab_keep,
+                                                 self.target.config.vocab_size)
+      self.log(f"kept vocabulary {len(vocab_ids)} ids cover {coverage:.4f} of the target's "
+               "top-k mass")
+    np.save(vocab_path, vocab_ids)
+    self.vocab_ids = vocab_ids
+    self.kept_index = batches.kept_index(vocab_ids, self.target.config.vocab_size)
+    self.frozen = architectures.frozen_params(self.target.params, vocab_ids)
+    key = jax.random.PRNGKey(tc.seed)
+    if init_meta is not None:
+      train_params = init_train
+    else:
+      train_params = architectures.init_train_params(draft, key, self.target.params)
+    opt_state = self.tx.init(train_params)
+    self.state = {"params": train_params, "opt_state": opt_state,
+                  "step": jnp.zeros((), jnp.int32), "rng": key,
+                  "num_shards": jnp.asarray(num_shards or 0, jnp.int32)}
+    if latest is not None:
+      self.state = self.manager.restore(latest, args=ocp.args.StandardRestore(self.state))
+      self.log(f"resumed from step {latest}")
+    self.pool.use(int(self.state["num_shards"]))
+    self.best = self._read_best()
+
+  def _read_best(self) -> float:
+    path = os.path.join(self.workdir, "best", "draft.json")
+    if not os.path.exists(path):
+      return -1.0
+    with open(path) as f:
+      return float(json.load(f).get("eval", {}).get("score", -1.0))
+
+  @property
+  def step(self) -> int:
+    return int(self.state["step"])
+
+  def save(self) -> None:
+    self.manager.save(self.step, args=ocp.args.StandardSave(self.state))
+    self.manager.wait_until_finished()
+
+  # ---- data --------------------------------------------------------------------------
+  def batch_for_step(self, step: int) -> dict:
+    tc = self.config.train
+    rng = np.random.default_rng([tc.seed, step, int(self.state["num_shards"])])
+    return batches.window_batch(self.pool.sequences, rng, tc.batch, tc.window,
+                                self.kept_index, tc.prompt_weight)
+
+  def eval_batches(self) -> dict:
+    """Fixed held-out windows per held-out shard index (source from the shard pattern)."""
+    out = {}
+    pattern = tuple(self.config.data.pattern)
+    for index in self.config.train.eval_shards:
+      path = data.shard_path(self.config.data.dir, index)
+      if not os.path.exists(path):
+        continue
+      seqs = batches.load_sequences(path)
+      rng = np.random.default_rng([12345, index])
+      name = f"{pattern[index % len(pattern)]}{index}"
+      out[name] = batches.window_batch(seqs, rng, 16, self.config.train.window, self.kept_index,
+                                       self.config.train.prompt_weight)
+    return out
+
+  # ---- loop --------------------------------------------------------------------------
+  def evaluate(self) -> dict:
+    results = {}
+    for name, batch in self.eval_batches().items():
+      _, metrics = _metrics_and_loss(self.state["params"], self.frozen, batch, draft=self.draft,
+                                     hp=self.hp)
+      results[name] = {k: round(float(v), 4) for k, v in metrics.items()}
+    if results:
+      results["score"] = float(np.mean([r["accept1"] for r in results.values()]))
+    return results
+
+  def train(self, num_steps: int | None = None) -> list[float]:
+    """Runs until train.steps (or num_steps more steps); returns the per-step losses."""
+    tc = self.config.train
+    end = tc.steps if num_steps is None else min(tc.steps, self.step + num_steps)
+    history, window_metrics = [], []
+    start_time, positions = time.time(), 0
+    while self.step < end:
+      step = self.step
+      if step > 0 and step % tc.rescan_every == 0:
+        n = self.pool.available()
+        if n > int(self.state["num_shards"]):
+          self.state["num_shards"] = jnp.asarray(n, jnp.int32)
+          self.pool.use(n)
+          self.log(f"step {step}: now training on {n} shards, {len(self.pool.sequences)} "
+                   "sequences")
+      batch = self.batch_for_step(step)
+      params, opt_state, metrics = _train_step(
+          self.state["params"], self.state["opt_state"], self.frozen, batch, draft=self.draft,
+          hp=self.hp, tx=self.tx)
+      self.state.update(params=params, opt_state=opt_state, step=self.state["step"] + 1,
+                        rng=jax.random.fold_in(self.state["rng"], step))
+      positions += int(batch["weight_bw"].astype(bool).sum())
+      window_metrics.append(metrics)
+      history.append(metrics["loss"])
+      if self.step % tc.log_every == 0 or self.step == end:
+        mean = {k: float(np.mean([float(m[k]) for m in window_metrics]))
+                for k in window_metrics[0]}
+        rate = positions / max(time.time() - start_time, 1e-6)
+        self.log(f"step {self.step} " + " ".join(f"{k}={v:.4f}" for k, v in sorted(mean.items()))
+                 + f" positions/s={rate:.0f}")
+        window_metrics, start_time, positions = [], time.time(), 0
+      if self.step % tc.checkpoint_every == 0 or self.step == end:
+        self.save()
+      if tc.eval_every and self.step % tc.eval_every == 0:
+        self.maybe_export_best()
+    return [float(x) for x in history]
+
+  def maybe_export_best(self) -> dict:
+    results = self.evaluate()
+    self.log(f"eval step {self.step}: {json.dumps(results)}")
+    if results and results["score"] > self.best:
+      self.best = results["score"]
+      self.export(os.path.join(self.workdir, "best"), {"step": self.step, **results})
+    return results
+
+  def export(self, folder: str, eval_results: dict | None = None) -> None:
+    artifacts.save_draft(folder, self.draft, self.state["params"], self.vocab_ids,
+                         self.target.name, extra={"eval": eval_results or {},
+                                                  "step": self.step})
+    self.log(f"exported draft (step {self.step}) to {folder}")
+
+
+def run(config: ml_collections.ConfigDict) -> None:
+  """Entry point of `python -m diversed_jax.distill` (see configs/distill_smollm2.py)."""
+  from diversed_jax.models.loading import load_model
+  validate(config)
+  log = _log_fn(config.workdir if config.mode != "data" else config.data.dir)
+  target = load_model(config.target)
+  if config.mode == "data":
+    n = data.generate(config.data, target, config.data.dir, log=log)
+    log(f"{n} shards in {config.data.dir}")
+    return
+  if config.mode == "export":
+    src = os.path.join(config.workdir, "best")
+    if not config.export_dir:
+      raise ValueError("config.export_dir='' : give the folder to export the best draft to")
+    shutil.copytree(src, config.export_dir, dirs_exist_ok=True)
+    log(f"copied {src} to {config.export_dir}")
+    return
+  trainer = Trainer(config, target, log=log)
+  trainer.train()
+  trainer.maybe_export_best()

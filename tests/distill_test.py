@@ -1,0 +1,195 @@
+"""Draft distillation on tiny random models: both draft kinds inside the real speculative
+loop, a short run lowering the loss, checkpoint resume, and the shipped draft (slow)."""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diversed_jax.distill import architectures, artifacts, batches, data, train
+from diversed_jax.models import ModelConfig, init_params, transformer
+from diversed_jax.models.loading import LoadedModel
+from diversed_jax.speculative import decoder as decoder_lib
+from diversed_jax.speculative.types import VerifyParams
+
+VOCAB = 64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny_config():
+  path = os.path.join(ROOT, "configs", "distill_tiny.py")
+  spec = importlib.util.spec_from_file_location("distill_tiny", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.fixture(scope="module")
+def target():
+  config = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=32, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+                       eos_token_ids=())
+  params = init_params(config, jax.random.PRNGKey(0), std=0.5)
+  return LoadedModel(config, params, "tiny", "")
+
+
+def _draft(kind, target, vocab_keep=40, seed=1):
+  cfg = architectures.draft_config(kind, target.config, 1, 16, 2, 1, 24)
+  draft = architectures.DistilledDraft(kind, cfg, target.config.hidden_size, VOCAB)
+  vocab = np.random.default_rng(seed).choice(VOCAB, vocab_keep, replace=False)
+  train_params = architectures.init_train_params(draft, jax.random.PRNGKey(seed),
+                                                 target.params, std=0.3)
+  return draft, {"train": train_params,
+                 "frozen": architectures.frozen_params(target.params, vocab)}
+
+
+def _greedy_reference(target, prompt, steps):
+  tokens = list(prompt)
+  for _ in range(steps):
+    logits, _, _ = transformer.forward_jit(target.params, target.config, jnp.asarray([tokens]))
+    tokens.append(int(jnp.argmax(logits[0, -1])))
+  return tokens[len(prompt):]
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 3], [2, 9, 9, 1, 4, 4, 8, 10, 3], [5, 6, 7]]
+
+
+@pytest.mark.parametrize("kind", architectures.KINDS)
+def test_draft_kinds_run_in_the_speculative_loop(target, kind):
+  draft, params = _draft(kind, target)
+  dec = decoder_lib.SpeculativeDecoder(decoder_lib.ModelHandle(target.config, target.params),
+                                       draft, params)
+  expected = [_greedy_reference(target, p, 10) for p in PROMPTS]
+  for num_draft in (1, 3):
+    got = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=0.0),
+                       num_draft=num_draft, max_new_tokens=10, eos_token_ids=())
+    assert got.token_ids == expected
+  sampled = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=1.0), num_draft=3,
+                         max_new_tokens=10, eos_token_ids=())
+  assert all(len(t) == 10 for t in sampled.token_ids)
+
+
+def test_feature_draft_incremental_matches_training_pass(target):
+  """Drafting step by step (cache, own features) equals the unrolled training pass."""
+  draft, params = _draft("feature", target)
+  tokens = jnp.asarray([[3, 9, 4, 1, 7, 2]])
+  hidden, _ = transformer.forward_hidden(target.params, target.config, tokens)
+  feats = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))
+  logits_j, _ = draft.train_forward(params, tokens, feats, unroll=3)
+  vocab_ids = params["frozen"]["vocab_ids"]
+  # Teacher-forced prefix of 3 tokens, then two proposals fed with the draft's own features.
+  cache = draft.init_cache(1, 16, jnp.float32)
+  logits, _, cache = draft.forward(params, tokens[:, :3], cache, feats[:, :3])
+  np.testing.assert_allclose(logits[0][:, vocab_ids], logits_j[0, 0, :3], rtol=1e-4, atol=1e-4)
+  logits, _, cache = draft.forward(params, tokens[:, 3:4], cache, None)
+  np.testing.assert_allclose(logits[0, 0, vocab_ids], logits_j[1, 0, 3], rtol=1e-4, atol=1e-4)
+  logits, _, cache = draft.forward(params, tokens[:, 4:5], cache, None)
+  np.testing.assert_allclose(logits[0, 0, vocab_ids], logits_j[2, 0, 4], rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory, target):
+  folder = str(tmp_path_factory.mktemp("shards"))
+  dec = decoder_lib.SpeculativeDecoder(decoder_lib.ModelHandle(target.config, target.params))
+  rng = np.random.default_rng(0)
+  for index in range(3):
+    prompts = [rng.integers(3, VOCAB, size=int(rng.integers(4, 12))).tolist() for _ in range(6)]
+    arrays = data.shard_from_prompts(dec, prompts, temperature=1.0, max_new_tokens=20,
+                                     top_k=8, seed=index, eos_token_ids=())
+    data.save_shard(folder, index, arrays)
+  return folder
+
+
+def _config(shard_dir, workdir, kind, steps=40):
+  c = _tiny_config()
+  c.data.dir = shard_dir
+  c.workdir = str(workdir)
+  c.draft.kind = kind
+  c.train.steps = steps
+  c.train.eval_every = 0
+  c.train.unroll = 2
+  return c
+
+
+def _quiet(msg):
+  del msg
+
+
+@pytest.mark.parametrize("kind", architectures.KINDS)
+def test_tiny_distillation_lowers_the_loss(target, shard_dir, tmp_path, kind):
+  trainer = train.Trainer(_config(shard_dir, tmp_path, kind, steps=60), target, log=_quiet)
+  losses = trainer.train()
+  assert len(losses) == 60
+  assert np.mean(losses[-10:]) < np.mean(losses[:10]) - 0.05
+  before = trainer.evaluate()
+  assert 0.0 <= before["score"] <= 1.0
+  trainer.export(str(tmp_path / "draft"))
+  draft, params = artifacts.load_draft_folder(str(tmp_path / "draft"), target)
+  assert draft == trainer.draft
+  dec = decoder_lib.SpeculativeDecoder(decoder_lib.ModelHandle(target.config, target.params),
+                                       draft, params)
+  out = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=0.0), num_draft=2,
+                     max_new_tokens=6, eos_token_ids=())
+  assert out.token_ids == [_greedy_reference(target, p, 6) for p in PROMPTS]
+
+
+def test_resume_gives_the_same_losses(target, shard_dir, tmp_path):
+  whole = train.Trainer(_config(shard_dir, tmp_path / "a", "feature", steps=20), target,
+                        log=_quiet).train()
+  first = train.Trainer(_config(shard_dir, tmp_path / "b", "feature", steps=20), target,
+                        log=_quiet)
+  part = first.train(num_steps=10)  # "interrupted" after the step-10 checkpoint
+  del first
+  resumed = train.Trainer(_config(shard_dir, tmp_path / "b", "feature", steps=20), target,
+                          log=_quiet)
+  assert resumed.step == 10
+  rest = resumed.train()
+  np.testing.assert_allclose(part + rest, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_fine_tune_starts_from_a_draft_folder(target, shard_dir, tmp_path):
+  base = train.Trainer(_config(shard_dir, tmp_path / "base", "feature", steps=5), target,
+                       log=_quiet)
+  base.train()
+  base.export(str(tmp_path / "draft"))
+  c = _config(shard_dir, tmp_path / "ft", "independent", steps=7)
+  c.train.init_from = str(tmp_path / "draft")
+  tuned = train.Trainer(c, target, log=_quiet)
+  assert tuned.draft == base.draft  # the architecture comes from the folder
+  jax.tree.map(np.testing.assert_array_equal, tuned.state["params"], base.state["params"])
+  np.testing.assert_array_equal(tuned.vocab_ids, base.vocab_ids)
+  assert len(tuned.train()) == 7
+
+
+def test_windows_and_vocab():
+  rng = np.random.default_rng(0)
+  seq = batches.Sequence(tokens=np.arange(10, dtype=np.int32), prompt_length=4,
+                         hidden=rng.normal(size=(10, 3)).astype(np.float16),
+                         topk_ids=np.tile(np.arange(2, dtype=np.uint16), (10, 1)),
+                         topk_logp=np.log(np.full((10, 2), 0.5)).astype(np.float16), source="")
+  ids, coverage = batches.choose_vocab([seq], 3, 12)
+  assert coverage == pytest.approx(1.0) and 0 in ids and 1 in ids
+  batch = batches.window_batch([seq], rng, 2, 16, batches.kept_index(ids, 12), 0.25)
+  row = batch["tokens_bw"][0]
+  assert row[:10].tolist() == list(range(10))
+  np.testing.assert_allclose(batch["features_bwd"][0, 1:10], seq.hidden[:9].astype(np.float32))
+  assert (batch["features_bwd"][0, 0] == 0).all()
+  assert batch["weight_bw"][0].tolist() == [0.25] * 3 + [1.0] * 6 + [0.0] * 7
+
+
+@pytest.mark.slow
+def test_shipped_draft_loads_as_the_default():
+  if artifacts.shipped_draft("smollm2-135m-instruct") is None:
+    pytest.skip("no shipped draft in this checkout")
+  from diversed_jax.models.loading import load_model
+  from diversed_jax.speculative import build
+  model = load_model("smollm2-135m-instruct")
+  draft, params, spec = build.load_draft(None, model)
+  assert spec == artifacts.shipped_draft("smollm2-135m-instruct")
+  assert isinstance(draft, architectures.DistilledDraft)
+  logits, _, _ = draft.forward(params, jnp.asarray([[1, 2, 3]]), draft.init_cache(1, 8, jnp.float32),
+                               jnp.zeros((1, 3, model.config.hidden_size)))
+  assert logits.shape == (1, 3, model.config.vocab_size)
