@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
+from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.models import loading
 from diversed_jax.speculative import drafts
 from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
@@ -81,7 +82,18 @@ def load_draft(draft_spec: str | None, target: loading.LoadedModel, dtype=jnp.fl
   if model.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"draft {draft_spec!r} has vocabulary size {model.config.vocab_size} "
                      f"but target {target.name!r} has {target.config.vocab_size}")
+  _check_tokenizers(draft_spec, target.name)
   return drafts.LMDraft(model.config), model.params, draft_spec
+
+
+def _check_tokenizers(draft_spec: str, target_spec: str) -> None:
+  """Refuses a pair whose tokenizers map tokens to different ids (when both have one)."""
+  try:
+    draft_tok = tokenizer_lib.load_tokenizer(draft_spec)
+    target_tok = tokenizer_lib.load_tokenizer(target_spec)
+  except (OSError, ValueError):
+    return  # A weights-only folder: the vocabulary-size check above is all we can do.
+  tokenizer_lib.check_compatible(draft_tok, target_tok)
 
 
 def load_head(head_spec: str | None, target_name: str, draft_spec: str, task: str | None):

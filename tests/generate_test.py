@@ -1,0 +1,64 @@
+"""The generation CLI end to end: a tiny random model carrying the real SmolLM2 tokenizer."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from diversed_jax import tokenizer as tokenizer_lib
+from diversed_jax.models import ModelConfig, init_params, loading
+
+
+@pytest.fixture(scope="module")
+def tiny_model_folder(tmp_path_factory):
+  folder = str(tmp_path_factory.mktemp("tiny_smollm"))
+  config = ModelConfig(family="llama", vocab_size=49152, hidden_size=32, num_layers=3,
+                       num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                       bos_token_id=1, eos_token_ids=(2,))
+  loading.save_hf_folder(config, init_params(config, jax.random.PRNGKey(0), std=0.3), folder)
+  tokenizer_lib.load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
+  return folder
+
+
+def _generate(folder, *flags):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, "-m", "diversed_jax.generate", f"--target={folder}",
+       "--prompt=Say hello.", "--max_new_tokens=12", "--json", *flags],
+      capture_output=True, text=True, env=env, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_generate_json_for_autoregressive_and_speculative(tiny_model_folder):
+  ar = _generate(tiny_model_folder, "--temperature=0")
+  for key in ("text", "token_ids", "num_tokens", "tokens_per_second"):
+    assert key in ar
+  assert ar["num_tokens"] == len(ar["token_ids"]) > 0
+  sd = _generate(tiny_model_folder, "--temperature=0", "--method=sd", "--draft=self:1",
+                 "--num_draft=3")
+  assert sd["token_ids"] == ar["token_ids"]  # greedy speculative decoding is exact
+  for key in ("rounds", "accepted_per_round", "acceptance_rate", "tokens_per_round"):
+    assert key in sd
+  assert len(sd["accepted_per_round"]) == sd["rounds"]
+  assert sd["tokens_per_round"] == pytest.approx(sd["num_tokens"] / sd["rounds"])
+  diversed = _generate(tiny_model_folder, "--temperature=1", "--method=diversed",
+                       "--draft=self:2", "--seed=3")
+  assert diversed["head"] == "fixed w=0.5" and diversed["num_tokens"] > 0
+
+
+def test_generate_rejects_a_draft_with_another_vocabulary(tiny_model_folder, tmp_path):
+  other = ModelConfig(family="llama", vocab_size=100, hidden_size=16, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32)
+  folder = loading.save_hf_folder(other, init_params(other, jax.random.PRNGKey(1)),
+                                  str(tmp_path / "other"))
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, "-m", "diversed_jax.generate", f"--target={tiny_model_folder}",
+       f"--draft={folder}", "--method=sd", "--prompt=hi", "--max_new_tokens=4"],
+      capture_output=True, text=True, env=env, timeout=600)
+  assert result.returncode != 0
+  assert "vocabulary size 100" in result.stderr and "49152" in result.stderr
