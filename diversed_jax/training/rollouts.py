@@ -1,0 +1,87 @@
+"""Rollouts for the head's policy gradient, from the real speculative loop.
+
+With method 'diversed' and the CURRENT head, speculative decoding samples nu_t = w_t p_t +
+(1 - w_t) q_t exactly, so rollouts cost what decoding costs. The head's parameters are an
+argument of the compiled loop (not constants), so one program serves every training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import numpy as np
+
+from diversed_jax.rl.head import EnsembleHead
+from diversed_jax.speculative import metrics as metrics_lib
+from diversed_jax.speculative.decoder import Generation, ModelHandle, SpeculativeDecoder
+from diversed_jax.speculative.types import VerifyParams
+
+
+@functools.lru_cache(maxsize=None)
+def head_weight_fn(kind: str, hidden_dim: int, init_weight: float, layer_norm: bool):
+  """The loop's weight_fn (head_params, h_q [..., Dq], h_p [..., Dp]) -> w [...] for an
+  EnsembleHead; cached, so equal heads share one function and compiled programs."""
+  module = EnsembleHead(kind=kind, hidden_dim=hidden_dim, init_weight=init_weight,
+                        layer_norm=layer_norm)
+
+  def weight_fn(head_params, h_q, h_p):
+    return module.apply(head_params, h_q, h_p)
+  return weight_fn
+
+
+@dataclasses.dataclass
+class Rollouts:
+  """G rollouts of each of a step's prompts; rows are grouped by prompt (row = i * G + g)."""
+  prompts: list[list[int]]  # [B] prompt ids per row
+  generated: list[list[int]]  # [B] generated ids per row (EOS included when hit)
+  group_ids: np.ndarray  # [B] int32, the prompt index of each row
+  summary: dict  # acceptance_rate, tokens_per_round, w_mean, ... (see `summarize`)
+  generation: Generation
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(len(g) for g in self.generated)
+
+
+def mean_committed_weight(stats) -> float:
+  """Mean w_t over the positions a round committed (i <= n, active rows): the weights that
+  shaped the emitted tokens."""
+  active = np.asarray(stats.active_rb, bool)
+  w_rbk = np.asarray(stats.weights_rbk)
+  n_rb = np.asarray(stats.num_accepted_rb)
+  used = active[..., None] & (np.arange(w_rbk.shape[-1]) <= n_rb[..., None])
+  return float(w_rbk[used].mean()) if used.any() else float("nan")
+
+
+class RolloutSampler:
+  """Samples rollouts with the current head; build once, call `sample` every step."""
+
+  def __init__(self, target_config, target_params, draft, draft_params, weight_fn, *,
+               temperature: float, num_draft: int, max_new_tokens: int,
+               eos_token_ids: Sequence[int] | None = None, pad_id: int = 0):
+    self.decoder = SpeculativeDecoder(ModelHandle(target_config, target_params), draft,
+                                      draft_params, weight_fn, None)
+    self.verify = VerifyParams(method="diversed", temperature=float(temperature))
+    self.num_draft = num_draft
+    self.max_new_tokens = max_new_tokens
+    self.eos_token_ids = (tuple(target_config.eos_token_ids) if eos_token_ids is None
+                          else tuple(eos_token_ids))
+    self.pad_id = pad_id
+
+  def sample(self, head_params, prompts: Sequence[Sequence[int]], group_size: int,
+             seed: int) -> Rollouts:
+    """group_size rollouts of each prompt, sampled from nu under `head_params`."""
+    rows = [list(p) for p in prompts for _ in range(group_size)]
+    self.decoder.head_params = head_params
+    gen = self.decoder.generate(rows, self.verify, num_draft=self.num_draft,
+                                max_new_tokens=self.max_new_tokens, seed=int(seed),
+                                eos_token_ids=self.eos_token_ids, pad_id=self.pad_id)
+    summary = metrics_lib.summarize(gen.stats, gen.num_tokens, speculative=True)
+    summary.update(w_mean_committed=mean_committed_weight(gen.stats),
+                   seconds=gen.seconds, compile_seconds=gen.compile_seconds,
+                   tokens_per_s=gen.num_tokens / max(gen.seconds, 1e-9))
+    group_ids = np.repeat(np.arange(len(prompts), dtype=np.int32), group_size)
+    return Rollouts(prompts=rows, generated=gen.token_ids, group_ids=group_ids,
+                    summary=summary, generation=gen)

@@ -1,0 +1,234 @@
+"""The DIVERSED head-training loop (tunix-style: rollouts -> rewards -> advantages -> update).
+
+Each step:
+  1. take prompts_per_step prompts from a seeded, per-epoch shuffled stream (its position is
+     checkpointed);
+  2. sample G rollouts per prompt from nu with the speculative loop and the current head;
+  3. rewards from the task, REINFORCE++ (or the configured) advantages per prompt group;
+  4. one teacher-forced pass of both frozen models -> p_t(x_t), q_t(x_t), TV(p_t, q_t),
+     h_q,t, h_p,t;
+  5. ppo_epochs jitted optax updates of rl.losses.diversed_loss (clipped ratio when > 1).
+Metrics go to `progress` (stdout by default), TensorBoard (workdir/tb) and
+workdir/metrics.jsonl; orbax checkpoints go to workdir/checkpoints and a restart resumes from
+the latest one with the same subsequent metrics; the trained head is written to
+workdir/head (see head_io).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diversed_jax.rl.head import EnsembleHead, init_head
+from diversed_jax.rl.losses import get_advantage_fn, log_nu
+from diversed_jax.rl.optim import make_optimizer, make_train_step
+from diversed_jax.training import head_io
+from diversed_jax.training.checkpoint import Checkpointer
+from diversed_jax.training.config import HParams
+from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn
+from diversed_jax.training.teacher_forced import teacher_forced, teacher_forced_batch
+
+# Metrics that measure wall-clock time: the only ones that differ between identical runs.
+TIMING_KEYS = ("tokens_per_s", "rollout_seconds", "step_seconds", "compile_seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenTask:
+  """The trainer's view of a task: prompt token ids and rewards of generated token ids."""
+  name: str
+  prompt_ids: Callable[[Any], list[int]]  # example -> prompt ids
+  rewards: Callable[[Sequence[Sequence[int]], Sequence[Any]], list[float]]  # ids, examples
+
+
+def text_task(task, tokenizer, chat: bool | None = None, shots: Sequence[Any] = ()) -> TokenTask:
+  """A TokenTask from a diversed_jax.tasks Task (or its name): prompts through the model's
+  chat template, completions decoded without special tokens and scored by the task."""
+  from diversed_jax.tasks import prompts as prompts_lib
+  from diversed_jax.tasks.registry import get_task
+  if isinstance(task, str):
+    task = get_task(task)
+  if tokenizer is None:
+    raise ValueError(f"task {task.name!r} scores text: pass a tokenizer")
+
+  def prompt_ids(example):
+    return prompts_lib.encode_prompt(task.prompt(example, shots, chat=chat is not False),
+                                     tokenizer, chat=chat)
+
+  def rewards(generated, examples):
+    texts = [tokenizer.decode(list(g), skip_special_tokens=True) for g in generated]
+    return [float(r) for r in task.rewards(texts, examples)]
+
+  return TokenTask(task.name, prompt_ids, rewards)
+
+
+def example_order(position: int, num_examples: int, seed: int) -> int:
+  """Index of the example at stream `position`: a fresh seeded permutation per epoch."""
+  epoch, offset = divmod(position, num_examples)
+  return int(_permutation(num_examples, seed, epoch)[offset])
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+  return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def hidden_sizes(target_config, target_params, draft, draft_params) -> tuple[int, int]:
+  """(Dq, Dp), the head's input sizes, from an abstract teacher-forced pass."""
+  z = jnp.zeros((1, 2), jnp.int32)
+  out = jax.eval_shape(functools.partial(
+      teacher_forced, target_config=target_config, draft=draft, temperature=1.0, num_new=1),
+      target_params, draft_params, z, jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32))
+  return int(out.h_q_btd.shape[-1]), int(out.h_p_btd.shape[-1])
+
+
+def _scalar(x) -> float:
+  return float(np.asarray(x))
+
+
+class _Logger:
+  """stdout progress, TensorBoard scalars and a JSON-lines file, once per log interval."""
+
+  def __init__(self, workdir: str, progress: Callable[[str], Any] | None):
+    from tensorboardX import SummaryWriter
+    self.writer = SummaryWriter(os.path.join(workdir, "tb"))
+    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    self.progress = progress or (lambda line: None)
+
+  def log(self, step: int, total: int, m: dict) -> None:
+    for k, v in m.items():
+      self.writer.add_scalar(f"train/{k}", v, step)
+    self.writer.flush()
+    self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
+    self.jsonl.flush()
+    self.progress(
+        f"step {step}/{total} reward {m['reward']:.4f} acc {m['acceptance_rate']:.3f} "
+        f"tok/round {m['tokens_per_round']:.2f} proxy {m['acceptance_proxy']:.4f} "
+        f"w {m['w_mean']:.4f} loss {m['loss']:.4f} (pg {m['policy_loss']:.4f} "
+        f"reg {m['regulariser']:.3f}) tok/s {m['tokens_per_s']:.1f}")
+
+  def close(self) -> None:
+    self.writer.close()
+    self.jsonl.close()
+
+
+def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequence[Any],
+               workdir: str, tokenizer=None, draft_spec: str = "",
+               eos_token_ids: Sequence[int] | None = None,
+               progress: Callable[[str], Any] | None = print) -> str:
+  """Trains a DIVERSED ensemble head; returns the head folder (workdir/head).
+
+  train_cfg: the `train` ConfigDict (config.default_config()).
+  target: anything with .config (ModelConfig) and .params (a LoadedModel or ModelHandle);
+    its .name, if any, is recorded in head.json.
+  draft, draft_params: a draft object (speculative/drafts.py interface) and its params.
+  task: a TokenTask, or a diversed_jax.tasks Task / task name (then `tokenizer` is needed).
+  examples: the training examples, in the task's format.
+  workdir: checkpoints/, tb/, metrics.jsonl and head/ go here; an existing checkpoint is
+    resumed from.
+  draft_spec: recorded in head.json (the key of the shipped-default registration).
+  eos_token_ids: rollout stop tokens (default: the target config's).
+  progress: called with one line per log interval (None: silent).
+  """
+  hp = HParams.from_config(train_cfg)
+  if not isinstance(task, TokenTask):
+    task = text_task(task, tokenizer)
+  os.makedirs(workdir, exist_ok=True)
+  target_config, target_params = target.config, target.params
+
+  prompts = [task.prompt_ids(e) for e in examples]
+  usable = [i for i, p in enumerate(prompts) if 2 <= len(p) <= hp.max_prompt_tokens]
+  if not usable:
+    raise ValueError(f"no example has a prompt of 2..{hp.max_prompt_tokens} tokens "
+                     f"(train.max_prompt_tokens)")
+
+  module = EnsembleHead(kind=hp.head_kind, hidden_dim=hp.head_hidden_dim,
+                        init_weight=hp.init_weight, layer_norm=hp.head_layer_norm)
+  dq, dp = hidden_sizes(target_config, target_params, draft, draft_params)
+  key, init_key = jax.random.split(jax.random.PRNGKey(hp.seed))
+  params = init_head(module, init_key, dq, dp)
+  optimizer = make_optimizer(hp.learning_rate, hp.warmup_steps, hp.total_steps,
+                             hp.weight_decay, hp.grad_clip)
+  opt_state = optimizer.init(params)
+  step, data_pos = 0, 0
+
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), hp.keep_checkpoints)
+  latest = ckpt.latest_step()
+  if latest is not None:
+    state, meta = ckpt.restore(latest, {"params": params, "opt_state": opt_state, "key": key})
+    params, opt_state, key = state["params"], state["opt_state"], state["key"]
+    step, data_pos = int(meta["step"]), int(meta["data_pos"])
+    if progress:
+      progress(f"resumed from {workdir}/checkpoints at step {step} (data position {data_pos})")
+
+  clip = hp.clip_eps if hp.ppo_epochs > 1 else None
+  train_step = jax.jit(make_train_step(module.apply, optimizer, hp.lam, clip))
+  old_logp_fn = jax.jit(lambda p, b: log_nu(module.apply(p, b["h_q_btd"], b["h_p_btd"]),
+                                            b["p_tok_bt"], b["q_tok_bt"]))
+  advantage_fn = jax.jit(get_advantage_fn(hp.advantage))
+  sampler = RolloutSampler(
+      target_config, target_params, draft, draft_params,
+      head_weight_fn(**head_io.module_fields(module)), temperature=hp.temperature,
+      num_draft=hp.num_draft, max_new_tokens=hp.max_new_tokens, eos_token_ids=eos_token_ids,
+      pad_id=target_config.pad_token_id)
+  logger = _Logger(workdir, progress)
+  last = {}
+  try:
+    while step < hp.total_steps:
+      start = time.perf_counter()
+      key, roll_key = jax.random.split(key)
+      chosen = [usable[example_order(data_pos + i, len(usable), hp.seed)]
+                for i in range(hp.prompts_per_step)]
+      data_pos += hp.prompts_per_step
+      seed = int(jax.random.randint(roll_key, (), 0, np.iinfo(np.int32).max))
+      roll = sampler.sample(params, [prompts[i] for i in chosen], hp.rollouts_per_prompt, seed)
+      row_examples = [examples[i] for i in chosen for _ in range(hp.rollouts_per_prompt)]
+      rewards_b = np.asarray(task.rewards(roll.generated, row_examples), np.float32)
+
+      batch = teacher_forced_batch(
+          target_config, target_params, draft, draft_params, roll.prompts, roll.generated,
+          temperature=hp.temperature, num_new=hp.max_new_tokens,
+          chunk_rows=hp.teacher_forced_rows, pad_id=target_config.pad_token_id)
+      batch["advantages_b"] = advantage_fn(jnp.asarray(rewards_b), jnp.asarray(roll.group_ids))
+      if hp.ppo_epochs > 1:
+        batch["old_logp_bt"] = old_logp_fn(params, batch)
+      first = None
+      for _ in range(hp.ppo_epochs):
+        params, opt_state, m = train_step(params, opt_state, batch)
+        first = m if first is None else first
+      step += 1
+
+      if step % hp.log_every == 0 or step == hp.total_steps:
+        s = roll.summary
+        last = {k: _scalar(v) for k, v in jax.device_get(first).items()}
+        last.update(
+            reward=float(rewards_b.mean()), reward_std=float(rewards_b.std()),
+            acceptance_rate=float(s["acceptance_rate"]),
+            tokens_per_round=float(s["tokens_per_round"]),
+            w_mean_committed=float(s["w_mean_committed"]),
+            gen_tokens=float(roll.num_tokens), tokens_per_s=float(s["tokens_per_s"]),
+            rollout_seconds=float(s["seconds"]), compile_seconds=float(s["compile_seconds"]),
+            step_seconds=time.perf_counter() - start)
+        logger.log(step, hp.total_steps, last)
+      if step % hp.checkpoint_every == 0 or step == hp.total_steps:
+        ckpt.save(step, {"params": params, "opt_state": opt_state, "key": key},
+                  {"step": step, "data_pos": data_pos})
+  finally:
+    logger.close()
+    ckpt.close()
+
+  from diversed_jax.training.artifacts import portable_draft_spec
+  return head_io.save_head(
+      os.path.join(workdir, "head"), module, params, dq, dp,
+      target=getattr(target, "name", ""), draft_spec=portable_draft_spec(draft_spec),
+      task=task.name,
+      steps=step, train=train_cfg.to_dict(),
+      final={k: v for k, v in last.items() if k not in TIMING_KEYS and math.isfinite(v)})

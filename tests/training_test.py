@@ -1,0 +1,258 @@
+"""Head training: config, teacher-forced log nu, rollout stats, a tiny end-to-end run,
+resume after kill -9, head folders and their registration."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diversed_jax.models import transformer
+from diversed_jax.rl.head import EnsembleHead, init_head
+from diversed_jax.rl.losses import log_nu
+from diversed_jax.speculative import build
+from diversed_jax.training import config as config_lib
+from diversed_jax.training import head_io, toy
+from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn
+from diversed_jax.training.teacher_forced import teacher_forced_batch
+from diversed_jax.training.trainer import TIMING_KEYS, example_order
+
+TEMPERATURE = 0.8
+
+
+def _random_head(dq, dp, seed=3):
+  """A linear head with a non-zero kernel, so w_t varies with the context."""
+  module = EnsembleHead(kind="linear", init_weight=0.4)
+  params = init_head(module, jax.random.PRNGKey(0), dq, dp)
+  kernel = params["params"]["out"]["kernel"]
+  params["params"]["out"]["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(seed),
+                                                              kernel.shape)
+  return module, params
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_default_config_validates_and_freezes():
+  cfg = config_lib.default_config()
+  config_lib.validate(cfg)
+  hp = config_lib.HParams.from_config(cfg)
+  hash(hp)
+  assert hp.batch_rows == cfg.prompts_per_step * cfg.rollouts_per_prompt
+
+
+@pytest.mark.parametrize("field,value", [
+    ("head_kind", "conv"), ("init_weight", 1.0), ("lam", -0.1), ("temperature", 0.0),
+    ("advantage", "ppo"), ("warmup_steps", 40), ("rollouts_per_prompt", 1),
+    ("num_draft", 0), ("clip_eps", 1.5), ("checkpoint_every", 0)])
+def test_validate_names_the_bad_field(field, value):
+  cfg = config_lib.default_config()
+  cfg[field] = value
+  with pytest.raises(ValueError, match=f"train.{field}={value!r}"):
+    config_lib.validate(cfg)
+
+
+def test_example_order_is_a_permutation_per_epoch():
+  first = [example_order(i, 7, seed=1) for i in range(7)]
+  second = [example_order(i, 7, seed=1) for i in range(7, 14)]
+  assert sorted(first) == sorted(second) == list(range(7))
+  assert first != second
+
+
+# ---------------------------------------------------------------- teacher-forced pass
+
+
+def test_teacher_forced_log_nu_matches_full_distributions():
+  target, draft, draft_params = toy.toy_pair()
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, toy.VOCAB, n).tolist() for n in (3, 7, 5)]
+  generated = [rng.integers(0, toy.VOCAB, n).tolist() for n in (6, 2, 0)]
+  num_new = 6
+  batch = teacher_forced_batch(target.config, target.params, draft, draft_params, prompts,
+                               generated, temperature=TEMPERATURE, num_new=num_new,
+                               chunk_rows=2)
+  module, params = _random_head(32, 32)
+  w_bt = module.apply(params, batch["h_q_btd"], batch["h_p_btd"])
+  got = np.asarray(log_nu(w_bt, batch["p_tok_bt"], batch["q_tok_bt"]))
+  for b, (prompt, gen) in enumerate(zip(prompts, generated)):
+    mask = np.asarray(batch["mask_bt"][b])
+    assert mask.sum() == len(gen) and np.all(mask[:len(gen)] == 1)
+    if not gen:
+      continue
+    seq = jnp.asarray([prompt + gen])
+    p_logits, h_p, _ = transformer.forward(target.params, target.config, seq)
+    q_logits, h_q, _ = draft.forward(draft_params, seq, None)
+    at = np.arange(len(prompt) - 1, len(prompt) + len(gen) - 1)
+    p_tv = jax.nn.softmax(p_logits[0, at] / TEMPERATURE)
+    q_tv = jax.nn.softmax(q_logits[0, at] / TEMPERATURE)
+    w_t = module.apply(params, h_q[0, at], h_p[0, at])
+    nu_tv = w_t[:, None] * p_tv + (1 - w_t[:, None]) * q_tv
+    want = np.log(np.asarray(nu_tv)[np.arange(len(gen)), gen])
+    np.testing.assert_allclose(got[b, :len(gen)], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batch["tv_pq_bt"][b, :len(gen)],
+                               0.5 * np.abs(p_tv - q_tv).sum(-1), atol=1e-5)
+    np.testing.assert_allclose(batch["h_p_btd"][b, :len(gen)], h_p[0, at], atol=1e-5)
+  assert np.all(np.asarray(batch["p_tok_bt"]) * (1 - np.asarray(batch["mask_bt"])) == 0)
+
+
+# ---------------------------------------------------------------- rollouts
+
+
+def test_rollout_stats_are_consistent_with_tokens_and_head():
+  target, draft, draft_params = toy.toy_pair()
+  module, params = _random_head(32, 32)
+  weight_fn = head_weight_fn(kind="linear", hidden_dim=module.hidden_dim,
+                             init_weight=module.init_weight, layer_norm=False)
+  sampler = RolloutSampler(target.config, target.params, draft, draft_params, weight_fn,
+                           temperature=TEMPERATURE, num_draft=3, max_new_tokens=10,
+                           eos_token_ids=())
+  prompts = toy.toy_examples(3, seed=5)
+  roll = sampler.sample(params, prompts, group_size=2, seed=7)
+  assert len(roll.generated) == 6 and roll.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+  assert roll.prompts[1] == prompts[0]
+  stats = roll.generation.stats
+  batch = teacher_forced_batch(target.config, target.params, draft, draft_params,
+                               roll.prompts, roll.generated, temperature=TEMPERATURE,
+                               num_new=10)
+  w_tf = np.asarray(module.apply(params, batch["h_q_btd"], batch["h_p_btd"]))
+  for b, gen in enumerate(roll.generated):
+    active = np.asarray(stats.active_rb[:, b], bool)
+    n_r = np.asarray(stats.num_accepted_rb[active, b])
+    assert min(int((n_r + 1).sum()), 10) == len(gen) == 10
+    assert int((n_r[:-1] + 1).sum()) < 10  # the last round was needed
+    # The weights the loop used at committed positions, in token order, are the head's
+    # weights on the teacher-forced hidden states of the same tokens.
+    w_rk = np.asarray(stats.weights_rbk[active, b])
+    used = np.concatenate([w_rk[r, :n + 1] for r, n in enumerate(n_r)])[:len(gen)]
+    np.testing.assert_allclose(used, w_tf[b, :len(gen)], atol=2e-4)
+    assert np.all((w_rk > 0) & (w_rk < 1))
+  assert 0.0 <= roll.summary["acceptance_rate"] <= 1.0
+  assert roll.summary["tokens_per_round"] == pytest.approx(
+      60 / np.asarray(stats.active_rb).sum())
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _metrics(workdir):
+  """step -> metrics (the last line written for each step)."""
+  out = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      record = json.loads(line)
+      out[record["step"]] = record
+  return out
+
+
+@pytest.fixture(scope="module")
+def toy_runs(tmp_path_factory):
+  """Two 12-step toy runs, lambda = 0 and lambda = 2."""
+  runs = {}
+  for lam in (0.0, 2.0):
+    workdir = str(tmp_path_factory.mktemp(f"toy_lam{lam}"))
+    folder = toy.run(workdir, progress=None, lam=lam)
+    runs[lam] = (folder, _metrics(workdir))
+  return runs
+
+
+def test_reward_rises_without_regulariser(toy_runs):
+  _, m = toy_runs[0.0]
+  early = np.mean([m[s]["reward"] for s in (1, 2, 3)])
+  late = np.mean([m[s]["reward"] for s in (10, 11, 12)])
+  assert late > early + 0.05, (early, late)
+  assert m[12]["w_mean"] > m[1]["w_mean"] + 0.05
+
+
+def test_larger_lambda_trades_quality_for_acceptance(toy_runs):
+  _, low = toy_runs[0.0]
+  _, high = toy_runs[2.0]
+  tail = lambda m, k: np.mean([m[s][k] for s in (10, 11, 12)])
+  assert tail(high, "w_mean") < tail(low, "w_mean") - 0.2
+  assert tail(high, "acceptance_proxy") > tail(low, "acceptance_proxy") + 0.05
+  assert tail(high, "acceptance_rate") > tail(low, "acceptance_rate")
+  assert tail(high, "reward") < tail(low, "reward")
+
+
+def test_head_folder_loads_through_build(toy_runs, tmp_path):
+  folder, _ = toy_runs[0.0]
+  module, params, meta = head_io.read_head(folder)
+  assert meta["task"] == "toy" and meta["draft_spec"] == "toy" and meta["steps"] == 12
+  assert meta["train"]["lam"] == 0.0 and "reward" in meta["final"]
+  weight_fn, head_params, desc = build.load_head(folder, "t", "d", "toy")
+  assert desc == folder
+  h_q, h_p = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 32))
+  np.testing.assert_array_equal(weight_fn(head_params, h_q, h_p),
+                                module.apply(params, h_q, h_p))
+
+
+def test_shipped_head_registration(toy_runs, monkeypatch, tmp_path):
+  from diversed_jax.training import artifacts
+  folder, _ = toy_runs[0.0]
+  assets = tmp_path / "heads"
+  (assets / "toy-head").mkdir(parents=True)
+  for name in ("head.json", "params.npz"):
+    (assets / "toy-head" / name).write_bytes(open(os.path.join(folder, name), "rb").read())
+  monkeypatch.setattr(artifacts, "ASSETS", str(assets))
+  monkeypatch.setattr(build, "DEFAULT_HEADS", {})
+  artifacts.register()
+  # head.json records no target name for the toy pair: not registered as a default.
+  assert build.DEFAULT_HEADS == {}
+  meta = json.load(open(assets / "toy-head" / "head.json"))
+  meta.update(target="tiny", draft_spec="assets/drafts/x")
+  json.dump(meta, open(assets / "toy-head" / "head.json", "w"))
+  artifacts.register()
+  key = ("tiny", os.path.join(artifacts.PACKAGE_DIR, "assets/drafts/x"), "toy")
+  assert build.DEFAULT_HEADS == {key: str(assets / "toy-head")}
+  assert build.HEAD_LOADER == [head_io.load_head_folder]
+
+
+# ---------------------------------------------------------------- resume after kill -9
+
+
+def _launch(workdir, overrides, sleep=0.0):
+  cmd = [sys.executable, "-m", "diversed_jax.training.toy", "--workdir", workdir,
+         "--overrides", json.dumps(overrides), "--sleep", str(sleep)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                          text=True)
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
+  overrides = {"total_steps": 8, "checkpoint_every": 2, "lam": 0.1}
+  ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+  ref = _launch(ref_dir, overrides)
+  victim = _launch(run_dir, overrides, sleep=1.5)
+  metrics_path = os.path.join(run_dir, "metrics.jsonl")
+  deadline = time.time() + 300
+  while time.time() < deadline:
+    if os.path.exists(metrics_path) and max(_metrics(run_dir), default=0) >= 3:
+      break
+    assert victim.poll() is None, victim.stdout.read()
+    time.sleep(0.2)
+  os.kill(victim.pid, signal.SIGKILL)
+  victim.wait()
+  killed_at = max(_metrics(run_dir))
+  assert killed_at < 8
+
+  resumed = _launch(run_dir, overrides)
+  out, _ = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0, out
+  assert "resumed from" in out
+  ref_out, _ = ref.communicate(timeout=600)
+  assert ref.returncode == 0, ref_out
+
+  want, got = _metrics(ref_dir), _metrics(run_dir)
+  assert sorted(got) == sorted(want) == list(range(1, 9))
+  for step in range(1, 9):
+    for key, value in want[step].items():
+      if key not in TIMING_KEYS:
+        assert got[step][key] == pytest.approx(value, rel=1e-6, abs=1e-6), (step, key)
+  _, p_ref, _ = head_io.read_head(os.path.join(ref_dir, "head"))
+  _, p_run, _ = head_io.read_head(os.path.join(run_dir, "head"))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), p_ref, p_run)
