@@ -17,14 +17,15 @@ def get_config():
   c.export_dir = ""  # for mode=export: the asset folder to write
 
   c.data = ml_collections.ConfigDict()
-  c.data.dir = "runs/distill_data_smollm2"  # shard folder shared by data and train modes
+  c.data.dir = "runs/distill_ref_smollm2"  # shard folder shared by data and train modes
+  c.data.continuation = "reference"  # 'reference' (dataset answers) or 'target' (generated)
   # JSONL files (relative paths: under diversed_jax/data). Train/validation splits only.
-  c.data.gsm8k_path = ("distill/gsm8k_train_questions.jsonl",)  # records with 'question'
+  c.data.gsm8k_path = ("distill/gsm8k_train.jsonl",)  # records with 'question'
   c.data.cnndm_path = ("cnndm/train.jsonl", "cnndm/train_more.jsonl")  # with 'article'
   c.data.max_chars = 1800  # CNN/DM article character budget (keeps prompts < 512 tokens)
   c.data.pattern = ("gsm8k", "cnndm", "gsm8k", "cnndm")  # source of consecutive shards
   c.data.batch = 16  # prompts per shard (one generation batch)
-  c.data.num_shards = 160  # shards to write (resumes: existing shards are skipped)
+  c.data.num_shards = 260  # shards to write (resumes: existing shards are skipped)
   c.data.temperatures = (1.0, 0.0)  # generation temperature, alternating per pattern cycle
   c.data.max_new_tokens = 160  # GSM8K continuation length
   c.data.max_new_tokens_cnndm = 112  # CNN/DM continuation length
@@ -39,28 +40,28 @@ def get_config():
   c.draft.num_heads = 9  # query heads
   c.draft.num_kv_heads = 3  # key/value heads
   c.draft.intermediate_size = 1536  # MLP width
-  c.draft.vocab_keep = 12288  # kept vocabulary of the truncated head (most frequent ids)
+  c.draft.vocab_keep = 8192  # kept vocabulary of the truncated head (most frequent ids)
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 200_000  # total optimiser steps (runs are resumable; stop any time)
   c.train.batch = 8  # windows per step
-  c.train.window = 192  # tokens per window
+  c.train.window = 128  # tokens per window
   c.train.lr = 1e-3  # peak AdamW learning rate
-  c.train.warmup = 200  # linear warm-up steps
-  c.train.decay_steps = 30_000  # cosine decay length to 0.1 * lr, then constant
+  c.train.warmup = 100  # linear warm-up steps
+  c.train.decay_steps = 20_000  # cosine decay length to 0.1 * lr, then constant
   c.train.weight_decay = 0.0  # AdamW weight decay
   c.train.clip = 1.0  # global gradient-norm clip
   c.train.loss = "kl"  # 'kl' (forward KL on the target's top-k) or 'tvd'
   c.train.feature_weight = 0.1  # weight of the smooth-L1 feature regression ('feature' only)
   c.train.unroll = 2  # drafting steps simulated per window ('feature' only)
   c.train.prompt_weight = 0.2  # loss weight of prompt positions (generated positions: 1)
-  c.train.checkpoint_every = 200  # steps between orbax checkpoints
+  c.train.checkpoint_every = 50  # steps between orbax checkpoints
   c.train.keep_checkpoints = 2  # checkpoints kept
-  c.train.log_every = 25  # steps between progress lines
-  c.train.eval_every = 1000  # steps between held-out evaluations (0: never)
+  c.train.log_every = 10  # steps between progress lines
+  c.train.eval_every = 100  # steps between held-out evaluations (0: never)
   c.train.eval_shards = (0, 1)  # shard indices held out for evaluation (never trained on)
-  c.train.min_shards = 6  # wait until this many shards exist before training
-  c.train.rescan_every = 200  # steps between rescans of the shard folder
+  c.train.min_shards = 4  # wait until this many shards exist before training
+  c.train.rescan_every = 50  # steps between rescans of the shard folder
   c.train.seed = 0  # init and batch sampling seed
   c.train.init_from = ""  # draft asset folder or workdir to fine-tune from ('' = fresh)
   return c

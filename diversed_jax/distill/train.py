@@ -31,6 +31,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first bad field."""
   checks = [
       ("mode", config.mode in MODES),
+      ("data.continuation", config.data.continuation in ("reference", "target")),
       ("draft.kind", config.draft.kind in architectures.KINDS),
       ("train.loss", config.train.loss in losses.LOSSES),
       ("train.unroll", config.train.unroll >= 1),
