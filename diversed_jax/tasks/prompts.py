@@ -1,0 +1,151 @@
+"""The user-turn text of each task, optional few-shot examples, and its token ids."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+from diversed_jax.tasks import datasets
+from diversed_jax.tasks.datasets import Example
+
+GSM8K_INSTRUCTION = ("Solve the following math problem. Let's think step by step, then end "
+                     "your answer with \"The answer is N\", where N is the final number.")
+SUMMARY_INSTRUCTION = {
+    "cnndm": "Summarize the following news article in three sentences.",
+    "xsum": "Summarize the following article in one sentence.",
+}
+MBPP_INSTRUCTION = ("You are an expert Python programmer. Write a Python function for the "
+                    "task below, in a ```python code block.")
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Answer with the whole "
+                         "function in a ```python code block.")
+# The few-shot MBPP problems of the original paper (Austin et al. 2021): task_ids 2, 3, 4.
+MBPP_SHOT_IDS = ("2", "3", "4")
+
+
+def truncate(text: str, max_words: int | None = None, max_chars: int | None = None) -> str:
+  """Keeps the first `max_words` words and then at most `max_chars` characters, marking a cut
+  with ' ...'. Whitespace inside the kept part is preserved (CNN/DM uses newlines)."""
+  cut = False
+  if max_words is not None:
+    spans = list(re.finditer(r"\S+", text))
+    if len(spans) > max_words:
+      text, cut = text[:spans[max_words - 1].end()] if max_words > 0 else "", True
+  if max_chars is not None and len(text) > max_chars:
+    text, cut = text[:max_chars].rstrip(), True
+  return text + " ..." if cut else text
+
+
+def _gsm8k_solution(solution: str) -> str:
+  # Worked answers carry calculator annotations (<<48/2=24>>) and end in '#### N'; shots
+  # show the format the model is asked for instead.
+  solution = re.sub(r"<<[^>]*>>", "", solution)
+  body, _, final = solution.rpartition("####")
+  return f"{body.strip()}\nThe answer is {final.strip()}." if body else solution.strip()
+
+
+def _gsm8k(example: Example, shots: Sequence[Example]) -> str:
+  parts = [GSM8K_INSTRUCTION]
+  for shot in shots:
+    parts.append(f"Question: {shot.source_text}\nAnswer: "
+                 f"{_gsm8k_solution(shot.meta.get('solution', shot.reference))}")
+  parts.append(f"Question: {example.source_text}\nAnswer:")
+  return "\n\n".join(parts)
+
+
+def _summary(example: Example, shots: Sequence[Example], max_words: int | None,
+             max_chars: int | None) -> str:
+  parts = [SUMMARY_INSTRUCTION[example.task]]
+  for shot in shots:
+    parts.append(f"Article: {truncate(shot.source_text, max_words, max_chars)}\n"
+                 f"Summary: {shot.reference.strip()}")
+  parts.append(f"Article: {truncate(example.source_text, max_words, max_chars)}\nSummary:")
+  return "\n\n".join(parts)
+
+
+def _mbpp_problem(example: Example) -> str:
+  tests = example.meta.get("test_list") or example.reference.splitlines()
+  # One assert shows the function's name and signature without handing over every test.
+  return (f"{example.source_text.strip()}\nYour code should pass this test:\n"
+          f"{tests[0] if tests else ''}")
+
+
+def _mbpp(example: Example, shots: Sequence[Example]) -> str:
+  parts = [MBPP_INSTRUCTION]
+  for shot in shots:
+    code = shot.meta.get("solution", "").replace("\r\n", "\n").strip()
+    parts.append(f"{_mbpp_problem(shot)}\n```python\n{code}\n```")
+  parts.append(_mbpp_problem(example))
+  return "\n\n".join(parts)
+
+
+def _humaneval(example: Example, chat: bool) -> str:
+  if not chat:  # a base model continues the function body directly
+    return example.source_text
+  return f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{example.source_text.rstrip()}\n```"
+
+
+def build_prompt(example: Example, shots: Sequence[Example] = (), *,
+                 max_source_words: int | None = None, max_source_chars: int | None = None,
+                 chat: bool = True) -> str:
+  """The user-turn text for `example`.
+
+  shots: solved examples of the same task shown first (from its train split; see
+    load_shots). HumanEval takes none.
+  max_source_words / max_source_chars: truncation of CNN/DM and XSum articles.
+  chat: False for a base model; only HumanEval changes (the bare function prompt, to be
+    continued as code completion).
+  """
+  task = example.task
+  if task == "gsm8k":
+    return _gsm8k(example, shots)
+  if task in SUMMARY_INSTRUCTION:
+    return _summary(example, shots, max_source_words, max_source_chars)
+  if task == "mbpp":
+    return _mbpp(example, shots)
+  if task == "humaneval":
+    if shots:
+      raise ValueError("humaneval has no train split to draw few-shot examples from")
+    return _humaneval(example, chat)
+  raise ValueError(f"no prompt for task {task!r}; choose one of {list(datasets.TASKS)}")
+
+
+def load_shots(task: str, k: int, source: str | None = None, split: str = "train",
+               fields: dict[str, str] | None = None) -> list[Example]:
+  """The first `k` solved examples for few-shot prompts (MBPP: task_ids 2, 3, 4, ...).
+
+  source/fields as in datasets.load_examples; the default is the shipped train split
+  (MBPP's 'prompt' split). Raises ValueError for humaneval, which has no train split.
+  """
+  if k <= 0:
+    return []
+  if task == "humaneval":
+    raise ValueError("humaneval has no train split to draw few-shot examples from")
+  if task == "mbpp" and source is None:
+    pool = datasets.load_examples("mbpp", split="prompt")
+    ordered = sorted(pool, key=lambda e: (e.id not in MBPP_SHOT_IDS, int(e.id)))
+    return ordered[:k]
+  return datasets.load_examples(task, source=source, split=split, limit=k, fields=fields)
+
+
+def encode_prompt(text: str, tokenizer: Any, chat: bool | None = None,
+                  system: str | None = None) -> list[int]:
+  """Token ids of a user turn.
+
+  chat: wrap `text` in the tokenizer's chat template with the generation prompt (instruct
+    models); None = when the tokenizer has a chat template. Otherwise `tokenizer.encode`
+    with its default special tokens (a base model's BOS).
+  system: an optional system message (templates that insert a default one keep theirs
+    when None).
+  """
+  if chat is None:
+    chat = bool(getattr(tokenizer, "chat_template", None)) and hasattr(
+        tokenizer, "apply_chat_template")
+  if not chat:
+    return list(tokenizer.encode(text))
+  messages = ([{"role": "system", "content": system}] if system else []) + [
+      {"role": "user", "content": text}]
+  # Render to text, then encode without special tokens: the template already holds BOS and
+  # role markers, and text rendering behaves the same across transformers 4 and 5.
+  rendered = tokenizer.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=True)
+  return list(tokenizer.encode(rendered, add_special_tokens=False))

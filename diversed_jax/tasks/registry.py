@@ -1,0 +1,89 @@
+"""One description per task: data, prompt, reward, quality metric, generation length."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+from diversed_jax.tasks import code, datasets, gsm8k, prompts, summarization
+from diversed_jax.tasks.datasets import Example
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """Everything the training and evaluation loops need to know about a benchmark.
+
+  name: 'gsm8k', 'cnndm', 'xsum', 'mbpp' or 'humaneval'.
+  hub_source: the Hugging Face dataset for full runs (load_examples(name, hub_source)).
+  fields: the default canonical -> file field mapping (override per call in load()).
+  metric: the quality metric, the mean reward: 'accuracy', 'rouge2' or 'pass@1'.
+  max_new_tokens: default generation budget.
+  max_source_words: article truncation in the prompt (summarization), else None.
+  eval_split: the split evaluated by default.
+  """
+  name: str
+  hub_source: str
+  fields: Mapping[str, str]
+  metric: str
+  max_new_tokens: int
+  max_source_words: int | None = None
+  eval_split: str = "test"
+
+  def load(self, source: str | None = None, split: str | None = None,
+           limit: int | None = None, fields: Mapping[str, str] | None = None) -> list[Example]:
+    """datasets.load_examples for this task (source None = the shipped sample)."""
+    return datasets.load_examples(self.name, source=source, split=split or self.eval_split,
+                                  limit=limit, fields=fields)
+
+  def prompt(self, example: Example, shots: Sequence[Example] = (), chat: bool = True) -> str:
+    """The user-turn text, with this task's article truncation."""
+    return prompts.build_prompt(example, shots, max_source_words=self.max_source_words,
+                                chat=chat)
+
+  def reward(self, completion: str, example: Example) -> float:
+    """The RL reward of one completion, in [0, 1]."""
+    return self.rewards([completion], [example], workers=1)[0]
+
+  def rewards(self, completions: Sequence[str], examples: Sequence[Example],
+              workers: int | None = None) -> list[float]:
+    """Rewards of a batch; code tasks run their programs `workers` at a time."""
+    if len(completions) != len(examples):
+      raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
+    if self.name in ("mbpp", "humaneval"):
+      programs = [code.build_program(c, e) for c, e in zip(completions, examples)]
+      return code.pass_rewards(programs, workers=workers)
+    score: Callable[[str, str], float] = (
+        gsm8k.gsm8k_reward if self.name == "gsm8k" else summarization.summarization_reward)
+    return [score(c, e.reference) for c, e in zip(completions, examples)]
+
+  def quality(self, completions: Sequence[str], examples: Sequence[Example],
+              workers: int | None = None) -> float:
+    """The task metric (`self.metric`) over a batch: the mean reward."""
+    values = self.rewards(completions, examples, workers)
+    return sum(values) / max(1, len(values))
+
+
+_TASKS = {
+    "gsm8k": Task("gsm8k", "openai/gsm8k", datasets.default_fields("gsm8k"),
+                  metric="accuracy", max_new_tokens=256),
+    # ~400 words keep a CNN/DM or XSum prompt near 600 tokens: most of the lead, which is
+    # where the reference summaries come from, at a prefill cost a CPU run can afford.
+    "cnndm": Task("cnndm", "abisee/cnn_dailymail", datasets.default_fields("cnndm"),
+                  metric="rouge2", max_new_tokens=128, max_source_words=400),
+    "xsum": Task("xsum", "EdinburghNLP/xsum", datasets.default_fields("xsum"),
+                 metric="rouge2", max_new_tokens=64, max_source_words=400),
+    "mbpp": Task("mbpp", "google-research-datasets/mbpp", datasets.default_fields("mbpp"),
+                 metric="pass@1", max_new_tokens=256),
+    "humaneval": Task("humaneval", "openai/openai_humaneval",
+                      datasets.default_fields("humaneval"), metric="pass@1",
+                      max_new_tokens=384),
+}
+TASK_NAMES = tuple(_TASKS)
+
+
+def get_task(name: str) -> Task:
+  """The Task called `name`; ValueError listing the choices otherwise."""
+  try:
+    return _TASKS[name]
+  except KeyError:
+    raise ValueError(f"unknown task {name!r}; choose one of {list(TASK_NAMES)}") from None

@@ -1,0 +1,240 @@
+"""Task data, prompts and the registry: shipped samples, local files, errors, token ids."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from diversed_jax.tasks import datasets, prompts
+from diversed_jax.tasks.datasets import Example
+from diversed_jax.tasks.registry import TASK_NAMES, get_task
+
+
+class FakeTokenizer:
+  """Characters as ids; BOS 1 when special tokens are added; a visible chat template."""
+  bos_id = 1
+
+  def __init__(self, chat_template=None):
+    self.chat_template = chat_template
+    self.calls = []
+
+  def encode(self, text, add_special_tokens=True):
+    self.calls.append(("encode", text, add_special_tokens))
+    return ([self.bos_id] if add_special_tokens else []) + [ord(c) for c in text]
+
+  def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+    self.calls.append(("chat", messages, tokenize, add_generation_prompt))
+    assert not tokenize
+    text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+    return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@pytest.mark.parametrize("task, split, count, first_id", [
+    ("gsm8k", "test", 200, "gsm8k/test/0"),
+    ("gsm8k", "train", 300, "gsm8k/train/0"),
+    ("cnndm", "test", 100, "469c6ac05092ca5997728c9dfc19f9ab6b936e40"),
+    ("cnndm", "train", 100, None),
+    ("cnndm", "train_more", 1305, None),
+    ("mbpp", "prompt", 10, "1"),
+    ("mbpp", "test", 500, "11"),
+    ("mbpp", "validation", 90, "511"),
+    ("mbpp", "train", 374, "601"),
+    ("mbpp", "all", 974, "1"),
+    ("humaneval", "test", 164, "HumanEval/0"),
+])
+def test_shipped_samples(task, split, count, first_id):
+  examples = datasets.load_examples(task, split=split)
+  assert len(examples) == count
+  assert all(ex.task == task and ex.source_text and ex.reference for ex in examples)
+  assert len({ex.id for ex in examples}) == count
+  if first_id is not None:
+    assert examples[0].id == first_id
+  for name in ("SOURCE.md",):
+    assert os.path.isfile(datasets.shipped_path(task, name))
+
+
+def test_shipped_record_contents():
+  ex = datasets.load_examples("gsm8k", limit=1)[0]
+  assert ex.reference == "18" and ex.meta["solution"].endswith("#### 18")
+  assert ex.source_text.startswith("Janet")
+  mbpp = datasets.load_examples("mbpp", split="test", limit=1)[0]
+  assert mbpp.meta["test_list"][0].startswith("assert remove_Occ")
+  assert mbpp.reference == "\n".join(mbpp.meta["test_list"])
+  assert "def remove_Occ" in mbpp.meta["solution"] and mbpp.meta["test_setup_code"] == ""
+  he = datasets.load_examples("humaneval", limit=1)[0]
+  assert he.meta["entry_point"] == "has_close_elements" and "def check" in he.reference
+  sanitized = datasets.load_examples("mbpp", source="sanitized", split="all")
+  assert len(sanitized) == 427 and sanitized[0].source_text.startswith("Write a function")
+  assert any(ex.meta["test_setup_code"] for ex in sanitized)  # from test_imports lists
+  assert len(datasets.load_examples("mbpp", source="sanitized")) == 257  # test split
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    ex.reference = "19"
+  assert datasets.load_examples("cnndm", limit=3) == datasets.load_examples("cnndm")[:3]
+
+
+def _write_jsonl(path, records):
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  return str(path)
+
+
+def test_local_xsum_file_with_its_own_field_names(tmp_path):
+  records = [{"id": "a1", "document": "The council met on Monday.", "summary": "Council met."},
+             {"id": "a2", "document": "Rain fell all week.", "summary": "It rained."}]
+  path = _write_jsonl(tmp_path / "xsum.jsonl", records)
+  examples = datasets.load_examples("xsum", source=path)
+  assert [(e.id, e.source_text, e.reference) for e in examples] == [
+      ("a1", "The council met on Monday.", "Council met."),
+      ("a2", "Rain fell all week.", "It rained.")]
+  # Other names, mapped by `fields`; no id field gives positional ids.
+  renamed = [{"text": r["document"], "headline": r["summary"]} for r in records]
+  path = _write_jsonl(tmp_path / "other.jsonl", renamed)
+  examples = datasets.load_examples("xsum", source=path, limit=1,
+                                    fields={"source_text": "text", "reference": "headline"})
+  assert examples == [Example("xsum/test/0", "xsum", "The council met on Monday.",
+                              "Council met.", {})]
+  # A JSON array works too.
+  array = tmp_path / "array.json"
+  array.write_text(json.dumps(records))
+  assert len(datasets.load_examples("xsum", source=str(array))) == 2
+
+
+def test_local_file_errors_name_the_problem(tmp_path):
+  path = _write_jsonl(tmp_path / "bad.jsonl", [{"text": "x", "headline": "y"}])
+  with pytest.raises(ValueError) as err:
+    datasets.load_examples("xsum", source=path)
+  message = str(err.value)
+  assert "'document'" in message and "source_text" in message
+  assert "['headline', 'text']" in message and path in message
+  missing = str(tmp_path / "nope.jsonl")
+  with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    datasets.load_examples("cnndm", source=missing)
+  (tmp_path / "broken.jsonl").write_text('{"id": 1}\n{not json\n')
+  with pytest.raises(ValueError, match="broken.jsonl:2"):
+    datasets.load_examples("cnndm", source=str(tmp_path / "broken.jsonl"))
+  with pytest.raises(ValueError, match="unknown task 'squad'.*gsm8k"):
+    datasets.load_examples("squad")
+  with pytest.raises(ValueError, match="no shipped sample for split 'validation'"):
+    datasets.load_examples("gsm8k", split="validation")
+  with pytest.raises(ValueError, match="nothing is shipped"):
+    datasets.load_examples("xsum")
+
+
+def test_hub_failure_suggests_a_local_file(monkeypatch):
+  import datasets as hf_datasets
+  calls = []
+
+  def offline(*args, **kwargs):
+    calls.append((args, kwargs))
+    raise ConnectionError("Couldn't reach the Hugging Face Hub")
+  monkeypatch.setattr(hf_datasets, "load_dataset", offline)
+  with pytest.raises(RuntimeError, match="local JSON/JSONL file") as err:
+    datasets.load_examples("xsum", source="EdinburghNLP/xsum", limit=5)
+  assert "EdinburghNLP/xsum" in str(err.value) and "ConnectionError" in str(err.value)
+  assert calls == [(("EdinburghNLP/xsum", None), {"split": "test[:5]"})]
+  with pytest.raises(RuntimeError):
+    datasets.load_examples("mbpp", source="google-research-datasets/mbpp:sanitized")
+  assert calls[-1][0] == ("google-research-datasets/mbpp", "sanitized")
+
+
+def test_hub_records_are_mapped(monkeypatch):
+  import datasets as hf_datasets
+  rows = [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}]
+  monkeypatch.setattr(hf_datasets, "load_dataset", lambda *a, **k: rows)
+  (ex,) = datasets.load_examples("gsm8k", source="openai/gsm8k")
+  assert ex.reference == "4" and ex.source_text == "What is 2+2?"
+
+
+def test_truncate():
+  text = "one two  three\nfour five"
+  assert prompts.truncate(text) == text
+  assert prompts.truncate(text, max_words=3) == "one two  three ..."
+  assert prompts.truncate(text, max_words=5) == text
+  assert prompts.truncate(text, max_chars=7) == "one two ..."
+  assert prompts.truncate(text, max_words=4, max_chars=100) == "one two  three\nfour ..."
+
+
+def test_gsm8k_prompt_zero_and_few_shot():
+  ex = datasets.load_examples("gsm8k", limit=1)[0]
+  zero = prompts.build_prompt(ex)
+  assert zero.startswith(prompts.GSM8K_INSTRUCTION) and "The answer is N" in zero
+  assert zero.endswith(f"Question: {ex.source_text}\nAnswer:")
+  shots = prompts.load_shots("gsm8k", 2)
+  assert [s.id for s in shots] == ["gsm8k/train/0", "gsm8k/train/1"]
+  few = prompts.build_prompt(ex, shots)
+  assert shots[0].source_text in few and f"The answer is {shots[0].reference}." in few
+  assert "<<" not in few and "####" not in few
+  assert few.index(shots[1].source_text) < few.index(ex.source_text)
+
+
+def test_summary_prompts_truncate_the_article():
+  ex = datasets.load_examples("cnndm", limit=1)[0]
+  text = prompts.build_prompt(ex, max_source_words=50)
+  assert text.startswith(prompts.SUMMARY_INSTRUCTION["cnndm"]) and text.endswith("Summary:")
+  article = text.split("Article: ", 1)[1]
+  assert len(article.split()) <= 50 + 2 and " ..." in article
+  assert len(prompts.build_prompt(ex, max_source_chars=300)) < 500
+  shots = prompts.load_shots("cnndm", 1)
+  with_shot = prompts.build_prompt(ex, shots, max_source_words=30)
+  assert f"Summary: {shots[0].reference}" in with_shot
+  xsum = Example("x", "xsum", "A long article " * 100, "Short.", {})
+  assert "one sentence" in prompts.build_prompt(xsum, max_source_words=20)
+  task = get_task("cnndm")
+  assert len(task.prompt(ex).split()) < task.max_source_words + 40
+
+
+def test_code_prompts():
+  ex = datasets.load_examples("mbpp", limit=1)[0]
+  text = prompts.build_prompt(ex)
+  assert ex.source_text in text and ex.meta["test_list"][0] in text
+  assert ex.meta["test_list"][1] not in text  # one test only: the signature hint
+  shots = prompts.load_shots("mbpp", 3)
+  assert [s.id for s in shots] == ["2", "3", "4"]
+  few = prompts.build_prompt(ex, shots)
+  assert "```python\ndef similar_elements" in few and "\r" not in few
+  he = datasets.load_examples("humaneval", limit=1)[0]
+  assert prompts.build_prompt(he, chat=False) == he.source_text
+  chat = prompts.build_prompt(he)
+  assert he.source_text.rstrip() in chat and chat.startswith(prompts.HUMANEVAL_INSTRUCTION)
+  with pytest.raises(ValueError, match="no train split"):
+    prompts.load_shots("humaneval", 1)
+  assert prompts.load_shots("humaneval", 0) == []
+
+
+def test_encode_prompt_chat_and_base():
+  chat_tok = FakeTokenizer(chat_template="{{ messages }}")
+  ids = prompts.encode_prompt("Hi", chat_tok)
+  expected = "<user>Hi</user><assistant>"
+  assert ids == [ord(c) for c in expected]
+  assert chat_tok.calls[-1] == ("encode", expected, False)
+  ids = prompts.encode_prompt("Hi", chat_tok, system="Be brief.")
+  assert ids == [ord(c) for c in "<system>Be brief.</system>" + expected]
+  base_tok = FakeTokenizer()
+  assert prompts.encode_prompt("Hi", base_tok) == [1, ord("H"), ord("i")]
+  assert prompts.encode_prompt("Hi", chat_tok, chat=False) == [1, ord("H"), ord("i")]
+
+
+def test_registry():
+  metrics = {name: get_task(name).metric for name in TASK_NAMES}
+  assert metrics == {"gsm8k": "accuracy", "cnndm": "rouge2", "xsum": "rouge2",
+                     "mbpp": "pass@1", "humaneval": "pass@1"}
+  for name in TASK_NAMES:
+    task = get_task(name)
+    assert task.max_new_tokens > 0 and task.hub_source and task.fields
+  assert get_task("xsum").fields["source_text"] == "document"
+  with pytest.raises(ValueError, match=r"unknown task 'gsm'.*\['gsm8k', 'cnndm'"):
+    get_task("gsm")
+
+
+def test_task_rewards_and_quality():
+  gsm = get_task("gsm8k")
+  examples = gsm.load(limit=2)
+  completions = [f"... The answer is {examples[0].reference}.", "The answer is -1."]
+  assert gsm.rewards(completions, examples) == [1.0, 0.0]
+  assert gsm.quality(completions, examples) == 0.5
+  cnndm = get_task("cnndm")
+  ex = cnndm.load(limit=1)
+  assert cnndm.reward(ex[0].reference, ex[0]) == 1.0
+  assert 0.0 <= cnndm.reward("Something else entirely.", ex[0]) < 0.1
+  with pytest.raises(ValueError, match="1 completions for 2 examples"):
+    gsm.rewards(["x"], examples)
