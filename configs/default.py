@@ -1,0 +1,97 @@
+"""Base config of the main job: the embedded pair (SmolLM2-135M-Instruct and its shipped
+draft and head) evaluated on a GSM8K slice. Task configs (gsm8k.py, cnndm.py, ...) start
+from here; `:variant` picks a model preset (see PRESETS):
+
+  python -m diversed_jax.main --config=configs/gsm8k.py
+  python -m diversed_jax.main --config=configs/gsm8k.py:qwen3 --config.task.limit=200
+  python -m diversed_jax.main --config=configs/cnndm.py --config.mode=train_and_eval \
+      --config.decode.temperature=0.1
+"""
+
+import ml_collections
+
+from diversed_jax.evaluation import presets
+from diversed_jax.training import config as train_config
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  return with_preset(base(), variant)
+
+
+def with_preset(c: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
+  """Applies the model preset named by the `:variant` argument (after task settings)."""
+  presets.apply(c, variant)
+  return c
+
+
+def base() -> ml_collections.ConfigDict:
+  """Every field, with the embedded pair and a GSM8K slice."""
+  c = ml_collections.ConfigDict()
+  c.mode = "eval"  # 'eval', 'train', 'train_and_eval', 'distill' or 'bench'
+  c.workdir = "runs/main"  # outputs when --workdir is not given (results, reports, head)
+  c.seed = 0  # base seed of every sampling stream (per batch: seed + first example index)
+
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "embedded"  # name of the pair (set by the :variant argument)
+  c.model.target = "smollm2-135m-instruct"  # registry name, model folder, .gguf or hub id
+  c.model.draft = ""  # '' = the target's default (shipped distilled draft, else 'self:4'); 'self:L', a model or a draft folder
+  c.model.finetuned_draft = ""  # draft of method 'sd_finetuned' ('' = that method is skipped)
+  c.model.tokenizer = ""  # tokenizer spec; '' = the target's
+  c.model.chat = True  # wrap prompts in the chat template (instruction-tuned targets)
+
+  c.head = ml_collections.ConfigDict()
+  c.head.path = ""  # head folder for 'diversed'; '' = WORKDIR/train/head if trained, else the shipped head, else w = 0.5
+  c.head.task = ""  # whose shipped head to use when head.path is '' ('' = task.name); cross-task evaluation
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "gsm8k"  # 'gsm8k', 'cnndm', 'xsum', 'mbpp' or 'humaneval'
+  c.task.source = ""  # '' = the shipped sample; a local .jsonl/.json file; or a hub dataset name
+  c.task.split = "test"  # split to evaluate (names the ids of a local file)
+  c.task.offset = 0  # first example of the evaluated slice
+  c.task.limit = 8  # examples in the slice (0 = all from offset)
+  c.task.num_shots = 0  # few-shot examples from the train split in each prompt
+  c.task.max_prompt_tokens = 1024  # longer prompts are cut from the left (keeps the question)
+  c.task.fields = ml_collections.ConfigDict()  # field names in the data file ('' = task default)
+  c.task.fields.id = ""  # example id
+  c.task.fields.source_text = ""  # question / article / problem text
+  c.task.fields.reference = ""  # answer / summary / test code
+  c.task.fields.test_list = ""  # mbpp: list of assert lines
+  c.task.fields.entry_point = ""  # humaneval: function name
+
+  c.decode = ml_collections.ConfigDict()
+  c.decode.temperature = 1.0  # sampling temperature of p and q (paper: 1.0 and 0.1; 0 = greedy)
+  c.decode.top_p = 1.0  # nucleus truncation of p and q before verification (1 = off)
+  c.decode.num_draft = 4  # K, drafted tokens per round
+  c.decode.max_new_tokens = 96  # generated tokens per example at most
+  c.decode.batch_size = 4  # rows decoded together (the last batch is padded to this size)
+
+  c.methods = ml_collections.ConfigDict()
+  c.methods.run = "ar,sd,lossy,static,diversed"  # comma list: ar sd sd_finetuned lossy cascade static diversed mentored typical
+  c.methods.lenience = (0.3,)  # lossy SD grid of l in (0, 1]
+  c.methods.static_weights = (0.5,)  # static-ensemble grid of w (weight on the target) in [0, 1]
+  c.methods.static_rule = "static"  # 'static' (mixture of probabilities) or 'static_logit'
+  c.methods.cascade_rules = ("opt",)  # SpecCascade deferral rules (chow diff opt v1 v2 v3)
+  c.methods.cascade_alpha = 0.1  # SpecCascade lenience alpha
+  c.methods.mentored_epsilon = (0.1,)  # mentored decoding grid of the TV budget epsilon
+  c.methods.typical_epsilon = 0.3  # Medusa typical acceptance: hard threshold
+  c.methods.typical_delta = 0.09  # Medusa typical acceptance: entropy-scaled threshold
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.results_file = "results.jsonl"  # per-example results in the workdir (appended, resumable)
+  c.eval.score_workers = 2  # parallel sandboxed programs when scoring code tasks
+  c.eval.plot = True  # draw pareto.png
+
+  c.bench = ml_collections.ConfigDict()
+  c.bench.num_prompts = 4  # prompts per timed batch in mode 'bench'
+  c.bench.repeats = 2  # timed repeats per setting (after one compile run)
+
+  c.distill = ml_collections.ConfigDict()
+  c.distill.config = "configs/distill_smollm2.py"  # config file of `python -m diversed_jax.distill`
+  c.distill.mode = "train"  # its mode: 'data', 'train' or 'export'
+
+  c.train = train_config.default_config()  # head training (diversed_jax.training), see there
+  c.train.task = ""  # task whose examples train the head ('' = task.name); any task's head evaluates on any task
+  c.train.source = ""  # '' = the task's shipped sample; a local .jsonl/.json file or a hub name
+  c.train.split = "train"  # split of train.source to train on
+  c.train.limit = 0  # training prompts (0 = the whole split)
+  return c

@@ -1,0 +1,1 @@
+"""The main job as a library: config checks, method grids, evaluation, reports."""

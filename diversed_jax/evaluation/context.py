@@ -1,0 +1,105 @@
+"""What an evaluation needs, built from a validated config: the task slice, prompt ids,
+the target, its tokenizer and one decoder per draft (with the resolved head)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from diversed_jax import tokenizer as tokenizer_lib
+from diversed_jax.models import loading
+from diversed_jax.speculative import build
+from diversed_jax.speculative.decoder import SpeculativeDecoder
+from diversed_jax.tasks import prompts as prompts_lib
+from diversed_jax.tasks.registry import Task, get_task
+
+TRAIN_SUBDIR = "train"  # train mode's workdir inside the main workdir (checkpoints, head/)
+
+
+def field_overrides(fields) -> dict[str, str]:
+  """The non-empty `task.fields` entries (canonical name -> name in the file)."""
+  return {k: v for k, v in fields.items() if v}
+
+
+def load_slice(task_cfg, split: str | None = None, offset: int | None = None,
+               limit: int | None = None) -> tuple[Task, list]:
+  """(Task, examples[offset:offset + limit]) of the `task` config section."""
+  task = get_task(task_cfg.name)
+  offset = task_cfg.offset if offset is None else offset
+  limit = task_cfg.limit if limit is None else limit
+  examples = task.load(source=task_cfg.source or None, split=split or task_cfg.split,
+                       limit=offset + limit if limit else None,
+                       fields=field_overrides(task_cfg.fields) or None)
+  return task, examples[offset:]
+
+
+def encode_prompts(config, task: Task, examples, tokenizer) -> list[list[int]]:
+  """Prompt ids per example; longer than task.max_prompt_tokens: the last ones kept."""
+  shots = prompts_lib.load_shots(task.name, config.task.num_shots,
+                                 source=config.task.source or None,
+                                 fields=field_overrides(config.task.fields) or None)
+  cap = config.task.max_prompt_tokens
+  out = []
+  for example in examples:
+    text = task.prompt(example, shots, chat=config.model.chat)
+    ids = prompts_lib.encode_prompt(text, tokenizer, chat=config.model.chat)
+    out.append(ids[-cap:])
+  return out
+
+
+@dataclasses.dataclass
+class Models:
+  """The loaded pair: decoders['default'] / ['finetuned'] and what was resolved."""
+  target: Any
+  tokenizer: Any
+  decoders: dict[str, SpeculativeDecoder]
+  info: dict
+
+
+def resolve_head(config, workdir: str | None) -> str | None:
+  """head.path, else the head trained in this workdir, else None (shipped / w = 0.5)."""
+  if config.head.path:
+    return config.head.path
+  if workdir:
+    trained = os.path.join(workdir, TRAIN_SUBDIR, "head")
+    if os.path.isfile(os.path.join(trained, "head.json")):
+      return trained
+  return None
+
+
+def _attach_head(decoder: SpeculativeDecoder, folder: str) -> None:
+  from diversed_jax.training import head_io
+  decoder.weight_fn, decoder.head_params = head_io.load_head_folder(folder)
+
+
+def load_models(config, settings, workdir: str | None = None, target=None,
+                log=print) -> Models:
+  """Loads the target (unless given), the tokenizer and the drafts `settings` use."""
+  if target is None:
+    log(f"loading target {config.model.target}")
+    target = loading.load_model(config.model.target)
+  tokenizer = tokenizer_lib.load_tokenizer(config.model.tokenizer or config.model.target)
+  families = {s.family for s in settings}
+  drafts_needed = {s.draft for s in settings if s.family != "ar"}
+  head_task = config.head.task or config.task.name
+  head_folder = resolve_head(config, workdir)
+  decoders, info = {}, {"target": target.name}
+  if drafts_needed - {"finetuned"} or not drafts_needed:
+    decoder, built = build.build_decoder(
+        target, config.model.draft or None, None, head_task,
+        need_draft=bool(drafts_needed - {"finetuned"}))
+    if head_folder and "diversed" in families:
+      _attach_head(decoder, head_folder)
+      built["head"] = head_folder
+    decoders["default"] = decoder
+    info.update(built)
+  if "finetuned" in drafts_needed:
+    decoder, built = build.build_decoder(target, config.model.finetuned_draft, None,
+                                         head_task, need_draft=True)
+    decoders["finetuned"] = decoder
+    info["finetuned_draft"] = built["draft"]
+  if "default" not in decoders:
+    decoders["default"] = decoders["finetuned"]
+  log("models: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+  return Models(target, tokenizer, decoders, info)

@@ -1,0 +1,141 @@
+"""Runs every method setting over the task slice, batch by batch, resumably.
+
+For each setting and each batch of examples not yet in the results file: decode (compile
+time excluded from the timing), score the completions with the task's reward, append one
+JSON line per example. Summary rows are computed from the file (report.summarize).
+
+Per-example record: fingerprint, setting, method, params, example_id, index, completion,
+num_tokens, rounds, accepted, num_draft, theory (sum over rounds of the expected accepted
+drafts), weight (mean w_t on the target, ensembles only), seconds (the batch's decode
+seconds shared over its examples), reward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from diversed_jax.evaluation import context as context_lib
+from diversed_jax.evaluation import methods as methods_lib
+from diversed_jax.evaluation.results import ResultStore, fingerprint
+from diversed_jax.speculative import metrics
+from diversed_jax.speculative.loop import BONUS_NEEDS_DRAFT
+
+
+def settings_for(config, log: Callable = print) -> list[methods_lib.MethodSetting]:
+  """The expanded settings, without 'sd_finetuned' when no fine-tuned draft is set."""
+  settings = methods_lib.expand(config)
+  if not config.model.finetuned_draft and any(s.draft == "finetuned" for s in settings):
+    log("skipping sd_finetuned: model.finetuned_draft is not set")
+    settings = [s for s in settings if s.draft != "finetuned"]
+  return settings
+
+
+def setting_fingerprint(config, setting, models) -> str:
+  """Hash of everything that changes a setting's per-example result (not the slice)."""
+  draft = (None if setting.family == "ar" else
+           models.info.get("finetuned_draft" if setting.draft == "finetuned" else "draft"))
+  head = models.info.get("head") if setting.family == "diversed" else None
+  task = config.task
+  return fingerprint(setting.name, dataclasses.asdict(setting.verify), draft, head,
+                     config.model.target, config.model.tokenizer, config.model.chat,
+                     config.decode.num_draft, config.decode.max_new_tokens, config.seed,
+                     task.name, task.source, task.split, task.num_shots,
+                     task.max_prompt_tokens, context_lib.field_overrides(task.fields))
+
+
+def row_figures(stats, row: int, with_weights: bool) -> dict:
+  """Acceptance sums of one row of a batch (see the module doc)."""
+  active = np.asarray(stats.active_rb)[:, row].astype(bool)
+  accept_prob = np.asarray(stats.accept_prob_rbk)[active, row]
+  k = accept_prob.shape[-1]
+  out = {"rounds": int(active.sum()), "num_draft": int(k),
+         "accepted": int(np.asarray(stats.num_accepted_rb)[active, row].sum()),
+         "theory": float(metrics.expected_accepted(
+             accept_prob, np.asarray(stats.beta_rbk)[active, row]).sum()) if k else 0.0}
+  if with_weights and active.any():
+    out["weight"] = float(np.asarray(stats.weights_rbk)[active, row].mean())
+  return out
+
+
+def run_setting(setting, fp: str, config, models, task, examples, prompts, store: ResultStore,
+                log: Callable = print, after_batch: Callable | None = None) -> None:
+  """Decodes the examples of `setting` not yet in `store`, one batch at a time."""
+  done = store.done(fp)
+  decoder = models.decoders[setting.draft]
+  size = config.decode.batch_size
+  batches = range(0, len(examples), size)
+  for number, start in enumerate(batches, 1):
+    rows = [i for i in range(start, min(start + size, len(examples)))
+            if examples[i].id not in done]
+    if not rows:
+      continue
+    batch = [prompts[i] for i in rows]
+    batch += [batch[-1]] * (size - len(batch))  # same shape as every other batch
+    out = decoder.generate(batch, setting.verify, num_draft=config.decode.num_draft,
+                           max_new_tokens=config.decode.max_new_tokens,
+                           seed=config.seed + start)
+    texts = [models.tokenizer.decode(out.token_ids[j], skip_special_tokens=True)
+             for j in range(len(rows))]
+    rewards = task.rewards(texts, [examples[i] for i in rows],
+                           workers=config.eval.score_workers)
+    share = out.seconds / len(rows)
+    ensemble = setting.verify.method in BONUS_NEEDS_DRAFT
+    records = []
+    for j, i in enumerate(rows):
+      records.append({
+          "fingerprint": fp, "setting": setting.name, "method": setting.family,
+          "params": setting.params_dict, "example_id": examples[i].id, "index": i,
+          "completion": texts[j], "num_tokens": len(out.token_ids[j]), "seconds": share,
+          "reward": float(rewards[j]), **row_figures(out.stats, j, ensemble)})
+    store.append(records)
+    tokens = sum(r["num_tokens"] for r in records)
+    rate = sum(r["accepted"] for r in records) / max(
+        1, sum(r["rounds"] * r["num_draft"] for r in records))
+    log(f"  {setting.name}: batch {number}/{len(batches)} ({len(rows)} examples) "
+        f"{tokens / max(out.seconds, 1e-9):.1f} tokens/s, acceptance {rate:.2f}, "
+        f"reward {np.mean(rewards[:len(rows)]):.2f}"
+        + (f", compiled in {out.compile_seconds:.1f}s" if out.compile_seconds else ""))
+    if after_batch is not None:
+      after_batch(setting, records)
+
+
+def evaluate(config, workdir: str, models=None, log: Callable = print,
+             after_batch: Callable | None = None, target=None) -> list[dict]:
+  """Evaluates every setting of `config` on the task slice; returns the summary rows.
+
+  models: a context.Models to reuse (the notebook), else loaded here (reusing `target`,
+    a LoadedModel, when given).
+  after_batch: called with (setting, records) after each batch is written (tests).
+  """
+  from diversed_jax.evaluation import report
+
+  settings = settings_for(config, log)
+  task, examples = context_lib.load_slice(config.task)
+  if not examples:
+    raise ValueError(f"task.offset={config.task.offset}: the slice of {config.task.name} "
+                     "is empty")
+  if models is None:
+    models = context_lib.load_models(config, settings, workdir, target=target, log=log)
+  prompts = context_lib.encode_prompts(config, task, examples, models.tokenizer)
+  store = ResultStore(os.path.join(workdir, config.eval.results_file))
+  log(f"evaluating {len(settings)} settings on {len(examples)} {task.name} examples "
+      f"(temperature {config.decode.temperature}, K={config.decode.num_draft}, "
+      f"max_new_tokens={config.decode.max_new_tokens}) -> {store.path}")
+  slice_ids = {e.id for e in examples}
+  per_setting = []
+  for number, setting in enumerate(settings, 1):
+    fp = setting_fingerprint(config, setting, models)
+    log(f"[{number}/{len(settings)}] {setting.name}")
+    start = time.perf_counter()
+    run_setting(setting, fp, config, models, task, examples, prompts, store, log, after_batch)
+    records = [r for r in store.records(fp) if r["example_id"] in slice_ids]
+    extra = {"head": models.info.get("head")} if setting.family == "diversed" else {}
+    per_setting.append((setting, records, extra))
+    log(f"  done in {time.perf_counter() - start:.1f}s")
+  dataset = f"{task.name}:{config.task.source or 'shipped'}:{config.task.split}"
+  return report.summarize(per_setting, dataset, task.metric)

@@ -1,0 +1,97 @@
+"""The method list of a config, expanded into named settings, one VerifyParams each.
+
+  ar             autoregressive decoding with the target (the speed baseline)
+  sd             exact speculative decoding with the draft
+  sd_finetuned   exact SD with the fine-tuned draft (model.finetuned_draft)
+  lossy          lossy SD, one setting per lenience l in methods.lenience
+  cascade        SpecCascade, one setting per rule in methods.cascade_rules
+  static         static ensemble nu = w p + (1 - w) q, one per w in methods.static_weights
+  diversed       the dynamic ensemble w_t = head(h_q,t, h_p,t) (a trained head)
+  mentored       mentored decoding, one per TV budget epsilon in methods.mentored_epsilon
+  typical        Medusa typical acceptance
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from diversed_jax.speculative.types import VerifyParams
+
+FAMILIES = ("ar", "sd", "sd_finetuned", "lossy", "cascade", "static", "diversed", "mentored",
+            "typical")
+# Families drawn as curves on the frontier plot (one line per family, over its grid).
+CURVES = ("lossy", "static", "mentored")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSetting:
+  """One point of the evaluation: a named verification rule and the draft it uses.
+
+  name: unique, e.g. 'lossy(l=0.3)'; family: one of FAMILIES; params: the grid values
+  that distinguish it (JSON-ready); draft: 'default' or 'finetuned'.
+  """
+  name: str
+  family: str
+  params: tuple[tuple[str, Any], ...]
+  verify: VerifyParams
+  draft: str = "default"
+
+  @property
+  def params_dict(self) -> dict:
+    return dict(self.params)
+
+
+def method_names(run: str) -> list[str]:
+  """'ar, sd,lossy' -> ['ar', 'sd', 'lossy'] (order kept, duplicates dropped)."""
+  names = [n.strip() for n in run.split(",") if n.strip()]
+  return list(dict.fromkeys(names))
+
+
+def _fmt(x: float) -> str:
+  return f"{x:g}"
+
+
+def expand(config) -> list[MethodSetting]:
+  """Settings for config.methods.run, with config.decode's temperature and top_p."""
+  m, d = config.methods, config.decode
+  base = VerifyParams(method="sd", temperature=float(d.temperature), top_p=float(d.top_p),
+                      typical_epsilon=float(m.typical_epsilon),
+                      typical_delta=float(m.typical_delta))
+
+  def make(name, family, verify_fields, params=(), draft="default"):
+    verify = dataclasses.replace(base, **verify_fields)
+    return MethodSetting(name, family, tuple(params), verify, draft)
+
+  out = []
+  for family in method_names(m.run):
+    if family == "ar":
+      out.append(make("ar", family, dict(method="ar")))
+    elif family == "sd":
+      out.append(make("sd", family, dict(method="sd")))
+    elif family == "sd_finetuned":
+      out.append(make("sd_finetuned", family, dict(method="sd"), draft="finetuned"))
+    elif family == "lossy":
+      out += [make(f"lossy(l={_fmt(l)})", family, dict(method="lossy", lenience=float(l)),
+                   [("lenience", float(l))]) for l in m.lenience]
+    elif family == "cascade":
+      alpha = float(m.cascade_alpha)
+      out += [make(f"cascade({r},a={_fmt(alpha)})", family,
+                   dict(method="cascade", cascade_rule=r, cascade_alpha=alpha),
+                   [("rule", r), ("alpha", alpha)]) for r in m.cascade_rules]
+    elif family == "static":
+      out += [make(f"{m.static_rule}(w={_fmt(w)})", family,
+                   dict(method=m.static_rule, weight=float(w)), [("weight", float(w))])
+              for w in m.static_weights]
+    elif family == "diversed":
+      out.append(make("diversed", family, dict(method="diversed")))
+    elif family == "mentored":
+      out += [make(f"mentored(eps={_fmt(e)})", family, dict(method="mentored", epsilon=float(e)),
+                   [("epsilon", float(e))]) for e in m.mentored_epsilon]
+    elif family == "typical":
+      out.append(make("typical", family, dict(method="typical"),
+                      [("epsilon", float(m.typical_epsilon)),
+                       ("delta", float(m.typical_delta))]))
+    else:
+      raise ValueError(f"methods.run: unknown method {family!r}; choose from {list(FAMILIES)}")
+  return out

@@ -1,0 +1,70 @@
+"""Per-example results as JSON Lines, appended as batches finish and resumed on restart.
+
+One line per (setting, example): a batch's lines are written with a single `write` and an
+fsync, so a kill leaves at most one torn last line, which `ResultStore` cuts off when it
+opens the file. A record counts only for the run it belongs to (its `fingerprint`, a hash
+of everything that changes the result), so changing the config never reuses stale lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterable
+
+
+def fingerprint(*parts) -> str:
+  """A short stable hash of JSON-serialisable parts."""
+  blob = json.dumps(parts, sort_keys=True, default=str)
+  return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+class ResultStore:
+  """The JSONL file of one workdir: `done(fp)` ids, `records(fp)`, `append(records)`."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._records: list[dict] = []
+    if os.path.exists(path):
+      self._load()
+
+  def _load(self) -> None:
+    with open(self.path, "rb") as f:
+      data = f.read()
+    good = 0  # byte offset after the last complete, parseable line
+    for line in data.splitlines(keepends=True):
+      if not line.endswith(b"\n"):
+        break
+      try:
+        self._records.append(json.loads(line))
+      except json.JSONDecodeError:
+        break
+      good += len(line)
+    if good != len(data):  # a torn tail from a killed run: drop it, it is recomputed
+      with open(self.path, "r+b") as f:
+        f.truncate(good)
+
+  def records(self, fp: str) -> list[dict]:
+    """Records of one setting fingerprint, one per example id (the first written)."""
+    seen, out = set(), []
+    for r in self._records:
+      if r.get("fingerprint") == fp and r["example_id"] not in seen:
+        seen.add(r["example_id"])
+        out.append(r)
+    return out
+
+  def done(self, fp: str) -> set[str]:
+    return {r["example_id"] for r in self._records if r.get("fingerprint") == fp}
+
+  def append(self, records: Iterable[dict]) -> None:
+    records = list(records)
+    if not records:
+      return
+    blob = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    with open(self.path, "a", encoding="utf-8") as f:
+      f.write(blob)
+      f.flush()
+      os.fsync(f.fileno())
+    self._records.extend(records)

@@ -1,0 +1,165 @@
+"""Every config file loads and validates; bad values fail early, naming field and value."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from diversed_jax.evaluation import config_io, context, methods, presets
+from diversed_jax.evaluation.validate import validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = ("default", "gsm8k", "cnndm", "xsum", "mbpp", "humaneval")
+
+
+def _load(name, variant="", **overrides):
+  spec = os.path.join(ROOT, "configs", f"{name}.py") + (f":{variant}" if variant else "")
+  return config_io.load_config(spec, overrides)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_dir(tmp_path_factory):
+  folder = str(tmp_path_factory.mktemp("tiny") / "models")
+  old = os.environ.get("DIVERSED_TINY_DIR")
+  os.environ["DIVERSED_TINY_DIR"] = folder
+  yield folder
+  if old is None:
+    del os.environ["DIVERSED_TINY_DIR"]
+  else:
+    os.environ["DIVERSED_TINY_DIR"] = old
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_loads_and_validates(name):
+  config = _load(name)
+  validate(config)
+  assert config.task.name == ("gsm8k" if name == "default" else name)
+  assert methods.expand(config)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "gemma3", "tiny"])
+def test_variants_validate(name, variant):
+  config = _load(name, variant)
+  validate(config)
+  assert config.model.preset == variant
+  if variant in presets.PAIRS:
+    assert (config.model.target, config.model.draft) == presets.PAIRS[variant]
+  else:
+    assert os.path.isfile(os.path.join(config.model.target, "config.json"))
+
+
+def test_unknown_variant():
+  with pytest.raises(ValueError, match="'bogus'"):
+    _load("gsm8k", "bogus")
+
+
+BAD = [
+    ("decode.temperature", -1.0), ("decode.top_p", 0.0), ("decode.num_draft", 0),
+    ("decode.max_new_tokens", 0), ("decode.batch_size", 0), ("mode", "serve"),
+    ("methods.run", "ar,beam"), ("methods.run", " , "), ("methods.lenience", (0.0,)),
+    ("methods.static_weights", (0.5, 1.5)), ("methods.static_rule", "geometric"),
+    ("task.name", "squad"), ("task.source", "/no/such/file.jsonl"), ("task.limit", -2),
+    ("task.split", "dev"), ("task.fields.test_list", "tests"), ("model.target", "/no/model"),
+    ("model.draft", "self:x"), ("head.path", "/no/head"), ("head.task", "squad"),
+    ("eval.results_file", "a/b.jsonl"), ("train.lam", -1.0),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD)
+def test_bad_value_names_field_and_value(field, value):
+  config = _load("gsm8k", **{field: value})
+  if field == "methods.static_rule":
+    config.methods.run = "static"
+  with pytest.raises(ValueError) as err:
+    validate(config)
+  message = str(err.value)
+  assert message.startswith(field + "=") or field in message, message
+  assert repr(value) in message or str(value) in message, message
+
+
+def test_cascade_and_mentored_grids():
+  config = _load("gsm8k", **{"methods.run": "cascade,mentored",
+                             "methods.cascade_rules": ("opt", "nope")})
+  with pytest.raises(ValueError, match=r"methods.cascade_rules=.*'nope'"):
+    validate(config)
+  config = _load("gsm8k", **{"methods.run": "mentored", "methods.mentored_epsilon": (2.0,)})
+  with pytest.raises(ValueError, match=r"methods.mentored_epsilon=\(2.0,\)"):
+    validate(config)
+
+
+def test_xsum_needs_a_source_and_humaneval_no_shots():
+  with pytest.raises(ValueError, match="task.source=''"):
+    validate(_load("xsum", **{"task.source": ""}))
+  with pytest.raises(ValueError, match="task.num_shots=2"):
+    validate(_load("humaneval", **{"task.num_shots": 2}))
+  with pytest.raises(ValueError, match="train.split='train'.*humaneval"):
+    validate(_load("humaneval", **{"mode": "train", "train.task": ""}))
+
+
+def test_method_expansion_carries_temperature_and_grids():
+  config = _load("gsm8k", **{
+      "methods.run": "ar,sd,sd_finetuned,lossy,cascade,static,diversed,mentored,typical",
+      "methods.lenience": (0.2, 0.6), "methods.static_weights": (0.1, 0.9),
+      "methods.cascade_rules": ("chow", "opt"), "methods.mentored_epsilon": (0.05,),
+      "decode.temperature": 0.1})
+  settings = methods.expand(config)
+  names = [s.name for s in settings]
+  assert names == ["ar", "sd", "sd_finetuned", "lossy(l=0.2)", "lossy(l=0.6)",
+                   "cascade(chow,a=0.1)", "cascade(opt,a=0.1)", "static(w=0.1)",
+                   "static(w=0.9)", "diversed", "mentored(eps=0.05)", "typical"]
+  assert all(s.verify.temperature == 0.1 for s in settings)
+  by_name = {s.name: s for s in settings}
+  assert by_name["lossy(l=0.6)"].verify.lenience == 0.6
+  assert by_name["static(w=0.9)"].verify.weight == 0.9
+  assert by_name["sd_finetuned"].draft == "finetuned"
+  assert by_name["cascade(chow,a=0.1)"].verify.cascade_rule == "chow"
+  assert by_name["mentored(eps=0.05)"].verify.epsilon == 0.05
+
+
+def test_xsum_local_file_with_its_fields(tmp_path):
+  path = tmp_path / "xsum_small.jsonl"
+  rows = [{"id": f"x{i}", "document": f"Article number {i}. It rained.",
+           "summary": f"Rain {i}."} for i in range(3)]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  config = _load("xsum", **{"task.source": str(path), "task.limit": 2})
+  validate(config)
+  task, examples = context.load_slice(config.task)
+  assert task.metric == "rouge2"
+  assert [e.id for e in examples] == ["x0", "x1"]
+  assert examples[1].source_text == "Article number 1. It rained."
+  assert examples[1].reference == "Rain 1."
+  assert "Article number 1" in task.prompt(examples[1])
+  # Other field names, given by override.
+  renamed = tmp_path / "renamed.jsonl"
+  renamed.write_text("".join(json.dumps({"key": r["id"], "text": r["document"],
+                                         "target": r["summary"]}) + "\n" for r in rows))
+  config = _load("xsum", **{"task.source": str(renamed), "task.fields.id": "key",
+                            "task.fields.source_text": "text", "task.fields.reference": "target",
+                            "task.offset": 1})
+  validate(config)
+  _, examples = context.load_slice(config.task)
+  assert [e.reference for e in examples] == ["Rain 1.", "Rain 2."]
+
+
+def test_gsm8k_local_jsonl_override(tmp_path):
+  path = tmp_path / "math.jsonl"
+  path.write_text(json.dumps({"q": "What is 2+3?", "a": "2+3=5\n#### 5"}) + "\n")
+  config = _load("gsm8k", **{"task.source": str(path), "task.fields.source_text": "q",
+                             "task.fields.reference": "a"})
+  validate(config)
+  _, examples = context.load_slice(config.task)
+  assert examples[0].reference == "5"
+
+
+def test_bad_override_on_the_command_line_fails_before_loading(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "diversed_jax.main", "--config=configs/gsm8k.py",
+       f"--workdir={tmp_path}", "--config.decode.temperature=-1"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "ValueError: decode.temperature=-1.0" in proc.stderr, proc.stderr[-2000:]
+  assert "loading target" not in proc.stdout

@@ -1,0 +1,124 @@
+"""The main job end to end on tiny random models: train_and_eval through the real
+`python -m diversed_jax.main`, the report files and their columns, and resuming."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from diversed_jax.evaluation import config_io, evaluate, report
+from diversed_jax.evaluation.results import ResultStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED = ("method", "params", "dataset", "n_examples", "acceptance_rate", "tokens_per_round",
+            "mean_accepted", "expected_accepted_theory", "quality_metric", "quality",
+            "tokens_per_second", "speedup_vs_ar")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("tiny") / "models")
+
+
+def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
+  workdir = tmp_path / "run"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", DIVERSED_TINY_DIR=tiny_dir)
+  proc = subprocess.run(
+      [sys.executable, "-m", "diversed_jax.main", "--config=configs/gsm8k.py:tiny",
+       f"--workdir={workdir}", "--config.mode=train_and_eval",
+       "--config.methods.run=ar,sd,static,diversed", "--config.methods.static_weights=(0.4,0.8)",
+       "--config.decode.temperature=0.5"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  head = workdir / "train" / "head"
+  assert (head / "head.json").is_file()
+  rows = json.loads((workdir / "summary.json").read_text())
+  assert [r["setting"] for r in rows] == ["ar", "sd", "static(w=0.4)", "static(w=0.8)",
+                                          "diversed"]
+  for row in rows:
+    assert set(REQUIRED) <= set(row)
+    assert row["n_examples"] == 4 and row["quality_metric"] == "accuracy"
+    assert row["dataset"] == "gsm8k:shipped:test"
+    assert 0.0 <= row["acceptance_rate"] <= 1.0 and row["tokens_per_second"] > 0
+  by_name = {r["setting"]: r for r in rows}
+  assert by_name["ar"]["speedup_vs_ar"] == 1.0
+  assert by_name["static(w=0.8)"]["params"] == {"weight": 0.8}
+  assert by_name["diversed"]["params"]["head"] == str(head)  # the head just trained
+  assert 0.0 < by_name["diversed"]["mean_weight"] < 1.0
+  with open(workdir / "summary.csv") as f:
+    header = next(csv.reader(f))
+  assert set(REQUIRED) <= set(header)
+  table = (workdir / "summary.md").read_text()
+  assert "| setting |" in table and "diversed" in table
+  assert table.strip() in proc.stdout  # printed at the end
+  assert (workdir / "pareto.png").stat().st_size > 10_000
+  lines = (workdir / "results.jsonl").read_text().splitlines()
+  assert len(lines) == 5 * 4
+
+
+class _Stop(Exception):
+  pass
+
+
+def test_resume_after_interruption(tmp_path, tiny_dir, monkeypatch):
+  monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
+  config = config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py:tiny"),
+                                 {"methods.run": "ar,sd", "task.limit": 5})
+  workdir = str(tmp_path)
+  path = os.path.join(workdir, "results.jsonl")
+  written = []
+
+  def stop_after_three_batches(setting, records):
+    written.append((setting.name, len(records)))
+    if len(written) == 3:  # 'ar' done (3 batches: 2 + 2 + 1), 'sd' not started
+      raise _Stop
+
+  with pytest.raises(_Stop):
+    evaluate.evaluate(config, workdir, log=lambda m: None, after_batch=stop_after_three_batches)
+  assert len(open(path).read().splitlines()) == 5
+  with open(path, "a") as f:  # a line torn by a kill mid-write
+    f.write('{"fingerprint": "abc", "setting": "sd", "exam')
+  seen = []
+  rows = evaluate.evaluate(config, workdir, log=lambda m: None,
+                           after_batch=lambda s, recs: seen.append(s.name))
+  assert seen == ["sd"] * 3  # only the unfinished setting ran
+  records = [json.loads(line) for line in open(path)]
+  keys = [(r["setting"], r["example_id"]) for r in records]
+  assert len(keys) == len(set(keys)) == 2 * 5
+  assert [r["n_examples"] for r in rows] == [5, 5]
+  # A wider slice reuses what is done and adds only the new examples.
+  config.unlock()
+  config.task.limit = 6
+  seen.clear()
+  rows = evaluate.evaluate(config, workdir, log=lambda m: None,
+                           after_batch=lambda s, recs: seen.append((s.name, len(recs))))
+  assert seen == [("ar", 1), ("sd", 1)]
+  assert [r["n_examples"] for r in rows] == [6, 6]
+  assert len(open(path).read().splitlines()) == 2 * 6
+
+
+def test_store_drops_a_torn_tail(tmp_path):
+  path = str(tmp_path / "r.jsonl")
+  store = ResultStore(path)
+  store.append([{"fingerprint": "f", "example_id": "a"}, {"fingerprint": "f", "example_id": "b"}])
+  with open(path, "a") as f:
+    f.write('{"fingerprint": "f", "exa')
+  store = ResultStore(path)
+  assert store.done("f") == {"a", "b"} and store.done("g") == set()
+  assert open(path).read().count("\n") == 2 and open(path).read().endswith("\n")
+
+
+def test_report_handles_missing_ar(tmp_path):
+  from diversed_jax.evaluation.methods import expand
+  config = config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py"),
+                                 {"methods.run": "sd,static"})
+  records = [{"rounds": 4, "num_draft": 4, "accepted": 6, "num_tokens": 10, "seconds": 0.5,
+              "reward": 1.0, "theory": 5.0}]
+  rows = report.summarize([(s, records, {}) for s in expand(config)], "d", "accuracy")
+  assert rows[0]["speedup_vs_ar"] is None
+  assert rows[0]["acceptance_rate"] == 6 / 16 and rows[0]["tokens_per_round"] == 2.5
+  paths = report.write_reports(rows, str(tmp_path))
+  assert os.path.getsize(paths["pareto.png"]) > 0
