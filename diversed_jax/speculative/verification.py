@@ -1,0 +1,385 @@
+"""Verification rules of (relaxed) speculative decoding, vectorised over rows and drafts.
+
+Shape legend: B rows, K drafted tokens per round, J = K or K + 1 draft positions, V vocabulary.
+
+Every rule has one signature (see /work/shared/docs/methods.md for the maths):
+
+  rule(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None)
+      -> Verdict
+
+- draft_logits_bjv [B, J, V]: the draft's logits q_1..q_K at the drafted positions, and
+  optionally q_{K+1} (J = K + 1). Only the ensemble and cascade rules use q_{K+1}: their bonus
+  token is drawn from their own emitted law at K + 1 (nu_{K+1}, pi_{K+1}), which needs the
+  draft's law there. Without it (J = K) every rule draws the bonus from p_{K+1}.
+- target_logits_bkv1 [B, K+1, V]: the target's logits at the K drafted positions and the
+  bonus position.
+- draft_tokens_bk [B, K] int: x_i ~ q_i.
+- params: VerifyParams, static (hashable) under jit.
+- weights_bk1 [B, K+1]: w_t, the DIVERSED head's weight on the target; 'diversed' only.
+
+A rule returns a(x) for the drafted tokens, the residual law r_i, the bonus law and
+beta_i = sum_x q_i(x) a_i(x) (= sum_x min(q_i, pi_i) for the ratio rules). q and p are the
+temperature-scaled, top-p-truncated laws (`distributions.scaled_probs`); temperature 0 makes
+them one-hot, so exact SD becomes greedy decoding with no special case. Then `resolve_round`
+draws the uniforms and samples, and returns each row's n leading accepts and next token.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from diversed_jax.speculative.distributions import (normalize_positive, sample_categorical,
+                                                    scaled_probs, tv_distance)
+from diversed_jax.speculative.types import CASCADE_RULES, METHODS, Verdict, VerifyParams
+
+Rule = Callable[..., Verdict]
+
+# Stands in for -inf logits in the logit mixture: w * (-inf) would be NaN at w = 0.
+_NEG_LOGIT = -1e30
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+def validate_params(params: VerifyParams) -> None:
+  """Raises ValueError naming the first out-of-range field of `params`."""
+  checks = (
+      ("temperature", params.temperature >= 0, ">= 0"),
+      ("top_p", 0 < params.top_p <= 1, "in (0, 1]"),
+      ("lenience", 0 < params.lenience <= 1, "in (0, 1]"),
+      ("weight", 0 <= params.weight <= 1, "in [0, 1]"),
+      ("cascade_rule", params.cascade_rule in CASCADE_RULES, f"one of {CASCADE_RULES}"),
+      ("cascade_alpha", 0 <= params.cascade_alpha <= 1, "in [0, 1]"),
+      ("epsilon", params.epsilon >= 0, ">= 0"),
+      ("typical_epsilon", params.typical_epsilon >= 0, ">= 0"),
+      ("typical_delta", params.typical_delta >= 0, ">= 0"),
+  )
+  for name, ok, want in checks:
+    if not ok:
+      raise ValueError(f"VerifyParams.{name} must be {want}, got {getattr(params, name)!r}")
+
+
+def _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params):
+  """Checks shapes; returns K, q [B, J, V] and p [B, K+1, V] (scaled, float32)."""
+  validate_params(params)
+  k = draft_tokens_bk.shape[-1]
+  if target_logits_bkv1.shape[1] != k + 1:
+    raise ValueError(f"target_logits must have K+1 = {k + 1} positions, got shape "
+                     f"{target_logits_bkv1.shape}")
+  if draft_logits_bjv.shape[1] not in (k, k + 1):
+    raise ValueError(f"draft_logits must have K = {k} or K+1 positions, got shape "
+                     f"{draft_logits_bjv.shape}")
+  q = scaled_probs(draft_logits_bjv, params.temperature, params.top_p)
+  p = scaled_probs(target_logits_bkv1, params.temperature, params.top_p)
+  return k, q, p
+
+
+def _ratio_accept(pi, q):
+  """a = min(1, pi/q) on the support of q; 1[pi > 0] off it (never drafted)."""
+  on = q > 0
+  return jnp.where(on, jnp.minimum(1.0, pi / jnp.where(on, q, 1.0)), (pi > 0).astype(q.dtype))
+
+
+def _verdict(q_bjv, a_bjv, residual_bkv, bonus_bv, draft_tokens_bk) -> Verdict:
+  """Reads a(x_i) off the full-vocabulary acceptance a_bjv; beta_i = sum_x q_i a_i."""
+  k = draft_tokens_bk.shape[-1]
+  q, a = q_bjv[:, :k], a_bjv[:, :k]
+  tokens = draft_tokens_bk.astype(jnp.int32)[..., None]
+  return Verdict(accept_prob_bk=jnp.take_along_axis(a, tokens, axis=-1)[..., 0],
+                 residual_bkv=residual_bkv[:, :k],
+                 bonus_bv=bonus_bv,
+                 beta_bk=jnp.sum(q * a, axis=-1))
+
+
+def _bonus(law_bjv, p_bkv1, k):
+  """The rule's own law at K + 1 when the draft gave q_{K+1}, else p_{K+1}; [B, V]."""
+  return law_bjv[:, k] if law_bjv.shape[1] > k else p_bkv1[:, k]
+
+
+# ------------------------------------------------------------------- lossless and lossy
+
+
+def exact(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None):
+  """Exact speculative sampling: a = min(1, p/q), r = norm((p-q)+), bonus p_{K+1}.
+
+  Emits p exactly; at temperature 0 this is greedy decoding (a = 1[x = argmax p]).
+  """
+  del weights_bk1
+  k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
+  q, pk = q[:, :k], p[:, :k]
+  residual = normalize_positive(pk - q, pk)
+  return _verdict(q, _ratio_accept(pk, q), residual, p[:, k], draft_tokens_bk)
+
+
+def lossy(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None):
+  """Lossy SD with lenience l: a = min(1, p/(l q)), r = norm((p-q)+), bonus p_{K+1}.
+
+  Emits pi = min(q, p/l) + (1 - A) norm((p-q)+), A = sum_x min(q, p/l).
+  """
+  del weights_bk1
+  k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
+  q, pk = q[:, :k], p[:, :k]
+  residual = normalize_positive(pk - q, pk)
+  return _verdict(q, _ratio_accept(pk / params.lenience, q), residual, p[:, k],
+                  draft_tokens_bk)
+
+
+# ----------------------------------------------------------------------------- ensembles
+
+
+def _mixture_verdict(q, p, w_bj, draft_tokens_bk, k):
+  """nu = w p + (1-w) q; a = min(1, w p/q + 1 - w); r = norm((p-q)+) (as nu - q = w (p-q))."""
+  pj = p[:, :q.shape[1]]
+  w = w_bj[..., None]
+  nu = w * pj + (1.0 - w) * q
+  on = q > 0
+  accept = jnp.where(on, jnp.minimum(1.0, w * pj / jnp.where(on, q, 1.0) + 1.0 - w),
+                     (nu > 0).astype(q.dtype))
+  residual = normalize_positive(pj[:, :k] - q[:, :k], pj[:, :k])
+  return _verdict(q, accept, residual, _bonus(nu, p, k), draft_tokens_bk)
+
+
+def static(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None):
+  """Static ensemble: nu = w p + (1-w) q with w = params.weight (DIVERSED with w_t = w).
+
+  Emits nu exactly; bonus nu_{K+1} when q_{K+1} is given, else p_{K+1}.
+  """
+  del weights_bk1
+  k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
+  w = jnp.full(q.shape[:2], params.weight, jnp.float32)
+  return _mixture_verdict(q, p, w, draft_tokens_bk, k)
+
+
+def diversed(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None):
+  """DIVERSED dynamic ensemble: nu_t = w_t p_t + (1 - w_t) q_t, w_t = weights_bk1[:, t].
+
+  weights_bk1 [B, K+1] is required. Emits nu_t exactly; bonus nu_{K+1} when q_{K+1} is given.
+  """
+  if weights_bk1 is None:
+    raise ValueError("method 'diversed' needs weights_bk1 [B, K+1] (w_t from the ensemble head)")
+  k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
+  w = jnp.asarray(weights_bk1, jnp.float32)
+  if w.shape[-1] != k + 1:
+    raise ValueError(f"weights_bk1 must have K+1 = {k + 1} positions, got shape {w.shape}")
+  return _mixture_verdict(q, p, w[:, :q.shape[1]], draft_tokens_bk, k)
+
+
+def static_logit(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params,
+                 weights_bk1=None):
+  """The authors' released-code logit mixture nu = softmax(w z_p + (1-w) z_q), w = weight.
+
+  A geometric mixture (off the acceptance/bias frontier), verified against as its own nu:
+  a = min(1, nu/q), r = norm((nu-q)+); temperature and top-p apply to the mixed logits.
+  """
+  del weights_bk1
+  k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
+  finite = lambda z: jnp.maximum(jnp.asarray(z, jnp.float32), _NEG_LOGIT)
+  w = params.weight
+  mixed = w * finite(target_logits_bkv1[:, :q.shape[1]]) + (1 - w) * finite(draft_logits_bjv)
+  nu = scaled_probs(mixed, params.temperature, params.top_p)
+  residual = normalize_positive(nu[:, :k] - q[:, :k], nu[:, :k])
+  return _verdict(q, _ratio_accept(nu, q), residual, _bonus(nu, p, k), draft_tokens_bk)
+
+
+# ------------------------------------------------------------------------------ cascade
+
+
+def cascade_target(q_v, p_v, q1_v, p1_v, rule: str, alpha: float):
+  """SpecCascade's token-level target pi [..., V].
+
+  q_v, p_v: scaled laws, mixed into pi; q1_v, p1_v: temperature-1 laws, deciding deferral.
+  chow/diff/opt: pi = (1 - delta) q + delta p, delta = 0 (keep the draft) when
+    chow: max q1 >= 1 - alpha; diff: max q1 >= max p1 - alpha;
+    opt: max q1 >= max p1 - alpha TV(q1, p1).
+  v1/v2/v3: pi(v) = q(v) 1[v in A] + (1 - q(A)) p(v) with A = {q1 >= max p1 - alpha},
+    {p1 >= max p1 - alpha}, {p1 >= (1 - alpha) max p1}.
+  """
+  max_q1 = jnp.max(q1_v, axis=-1, keepdims=True)
+  max_p1 = jnp.max(p1_v, axis=-1, keepdims=True)
+  if rule in ("chow", "diff", "opt"):
+    if rule == "chow":
+      keep = max_q1 >= 1.0 - alpha
+    elif rule == "diff":
+      keep = max_q1 >= max_p1 - alpha
+    else:
+      keep = max_q1 >= max_p1 - alpha * tv_distance(q1_v, p1_v)[..., None]
+    return jnp.where(keep, q_v, p_v)
+  if rule == "v1":
+    in_a = q1_v >= max_p1 - alpha
+  elif rule == "v2":
+    in_a = p1_v >= max_p1 - alpha
+  elif rule == "v3":
+    in_a = p1_v >= (1.0 - alpha) * max_p1
+  else:
+    raise ValueError(f"unknown cascade_rule {rule!r}; choices: {CASCADE_RULES}")
+  q_in_a = jnp.where(in_a, q_v, 0.0)
+  return q_in_a + (1.0 - jnp.sum(q_in_a, axis=-1, keepdims=True)) * p_v
+
+
+def cascade(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None):
+  """SpecCascade: a = min(1, pi/q), r = norm((pi-q)+), pi from `cascade_target`.
+
+  Bonus: pi_{K+1} when q_{K+1} is given; otherwise no draft law exists at K + 1 and the
+  bonus comes from p_{K+1} (the law pi defers to).
+  """
+  del weights_bk1
+  k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
+  j = q.shape[1]
+  q1 = jax.nn.softmax(jnp.asarray(draft_logits_bjv, jnp.float32), axis=-1)
+  p1 = jax.nn.softmax(jnp.asarray(target_logits_bkv1[:, :j], jnp.float32), axis=-1)
+  pi = cascade_target(q, p[:, :j], q1, p1, params.cascade_rule, params.cascade_alpha)
+  residual = normalize_positive(pi[:, :k] - q[:, :k], p[:, :k])
+  return _verdict(q, _ratio_accept(pi, q), residual, _bonus(pi, p, k), draft_tokens_bk)
+
+
+# ----------------------------------------------------------------------------- mentored
+
+
+def _mentored_row(q_v, p_v, epsilon):
+  """(c*, a_v) for one position [V]; see `mentored_accept`."""
+  excess = q_v > p_v
+  finite = excess & (p_v > 0)
+  zero_p = excess & (p_v <= 0)
+  # Breakpoints of eps(c): the ratios q/p over {q > p}; others sit at 1 and add nothing.
+  ratio = jnp.where(finite, q_v / jnp.where(finite, p_v, 1.0), jnp.where(zero_p, jnp.inf, 1.0))
+  order = jnp.argsort(ratio)
+  r_s = ratio[order]
+  d_s = jnp.where(finite, q_v - p_v, 0.0)[order]
+  p_s = jnp.where(finite, p_v, 0.0)[order]
+  done_d = jnp.cumsum(d_s)  # sum of (q - p) over ratios <= r_j: their min(.) is saturated
+  # Sum of p over ratios > r_j (they add (c-1) p); an exclusive suffix sum stays >= 0.
+  p_after = jnp.concatenate([jnp.cumsum(p_s[::-1])[::-1][1:], jnp.zeros((1,), p_s.dtype)])
+  eps_at = jnp.where(jnp.isfinite(r_s), done_d + (r_s - 1.0) * p_after, jnp.inf)
+  j = jnp.searchsorted(eps_at, epsilon, side="right")  # breakpoints with eps(r_j) <= eps
+  base_d = jnp.where(j > 0, done_d[jnp.maximum(j - 1, 0)], 0.0)
+  base_p = jnp.where(j > 0, p_after[jnp.maximum(j - 1, 0)], jnp.sum(p_s))
+  d_finite = done_d[-1]  # = TV(p, q) minus the mass of q where p = 0
+  spent = epsilon >= d_finite  # the budget covers every finite ratio: c* = inf
+  c = jnp.where(spent, jnp.inf, 1.0 + (epsilon - base_d) / jnp.where(spent, 1.0, base_p))
+  # c p/q cannot accept tokens with p = 0 < q; once c* = inf the rest of the budget is spent
+  # on them at a common rate, which keeps the acceptance at min(1, 1 - TV(p,q) + eps).
+  q_zero_p = jnp.sum(jnp.where(zero_p, q_v, 0.0))
+  extra = jnp.clip((epsilon - d_finite) / jnp.where(q_zero_p > 0, q_zero_p, 1.0), 0.0, 1.0)
+  on = q_v > 0
+  scaled = jnp.minimum(1.0, jnp.where(spent, 1.0, c) * p_v / jnp.where(on, q_v, 1.0))
+  a = jnp.where(spent, jnp.where(p_v > 0, 1.0, extra), scaled)
+  return c, jnp.where(on, a, (p_v > 0).astype(q_v.dtype))
+
+
+def mentored_accept(q_v: jax.Array, p_v: jax.Array, epsilon: float):
+  """Mentored decoding, TV budget eps: a(x) = min(1, c* p(x)/q(x)), c* >= 1 solving
+
+    eps(c) = sum_{x: q > p} min(q(x) - p(x), (c - 1) p(x)) = eps
+
+  by the sorted-ratio closed form (sort once, prefix sums, binary search), vmapped over the
+  leading axes. q_v, p_v [..., V]; returns (c* [...], a [..., V]). c* = inf when eps covers
+  the whole excess (accept all of q's support where p > 0). Acceptance is
+  min(1, 1 - TV(p, q) + eps) and TV(pi, p) = min(eps, TV(p, q)).
+  """
+  lead = q_v.shape[:-1]
+  flat = lambda x: jnp.asarray(x, jnp.float32).reshape((-1, x.shape[-1]))
+  c, a = jax.vmap(_mentored_row, in_axes=(0, 0, None))(flat(q_v), flat(p_v),
+                                                       jnp.float32(epsilon))
+  return c.reshape(lead), a.reshape(q_v.shape)
+
+
+def mentored(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None):
+  """Mentored decoding (TV case): a = min(1, c* p/q), r = norm((p-q)+), bonus p_{K+1}."""
+  del weights_bk1
+  k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
+  q, pk = q[:, :k], p[:, :k]
+  _, accept = mentored_accept(q, pk, params.epsilon)
+  residual = normalize_positive(pk - q, pk)
+  return _verdict(q, accept, residual, p[:, k], draft_tokens_bk)
+
+
+# ------------------------------------------------------------------------------ typical
+
+
+def typical(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None):
+  """Medusa typical acceptance: a = 1[p(x) > min(eps, delta exp(-H(p)))], r = p, bonus p_{K+1}.
+
+  No distributional guarantee: emits q a + (1 - A) p.
+  """
+  del weights_bk1
+  k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
+  q, pk = q[:, :k], p[:, :k]
+  entropy = -jnp.sum(jnp.where(pk > 0, pk * jnp.log(jnp.where(pk > 0, pk, 1.0)), 0.0), -1)
+  threshold = jnp.minimum(params.typical_epsilon, params.typical_delta * jnp.exp(-entropy))
+  accept = (pk > threshold[..., None]).astype(jnp.float32)
+  return _verdict(q, accept, pk, p[:, k], draft_tokens_bk)
+
+
+# ----------------------------------------------------------------------------- registry
+
+RULES: dict[str, Rule] = {
+    "sd": exact, "lossy": lossy, "static": static, "static_logit": static_logit,
+    "diversed": diversed, "cascade": cascade, "mentored": mentored, "typical": typical,
+}
+assert set(RULES) == set(METHODS) - {"ar"}
+
+
+def get_rule(method: str) -> Rule:
+  """The rule registered under `method`; ValueError naming it and the choices otherwise."""
+  if method not in RULES:
+    extra = " ('ar' decodes without drafts and has no rule)" if method == "ar" else ""
+    raise ValueError(f"no verification rule for method {method!r}{extra}; "
+                     f"choices: {tuple(RULES)}")
+  return RULES[method]
+
+
+def verify(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params: VerifyParams,
+           weights_bk1=None) -> Verdict:
+  """get_rule(params.method)(...): the rule chosen by the (static) params."""
+  return get_rule(params.method)(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params,
+                                 weights_bk1)
+
+
+# ------------------------------------------------------------------------ resolve a round
+
+
+@flax.struct.dataclass
+class RoundOutcome:
+  """One round's result per row.
+
+  num_accepted_b [B] int32: n, the number of leading accepted drafts (0..K).
+  next_token_b [B] int32: the residual sample at index n if n < K, else the bonus sample.
+  accepted_bk [B, K] bool: the leading-accept mask (True exactly for i < n).
+  tokens_bk1 [B, K+1] int32: the round's emitted tokens x_1..x_n, next_token at index n,
+    -1 placeholders after it.
+  """
+  num_accepted_b: jax.Array
+  next_token_b: jax.Array
+  accepted_bk: jax.Array
+  tokens_bk1: jax.Array
+
+
+def leading_accepts(accept_prob_bk: jax.Array, uniforms_bk: jax.Array):
+  """accepted_i = u_i < a_i (P = a_i for u ~ U[0, 1)); returns (leading mask [B, K] bool,
+  n = sum(cumprod(accepted)) [B] int32)."""
+  accepted = (uniforms_bk < accept_prob_bk).astype(jnp.int32)
+  lead = jnp.cumprod(accepted, axis=-1)
+  return lead.astype(bool), jnp.sum(lead, axis=-1).astype(jnp.int32)
+
+
+def resolve_round(verdict: Verdict, draft_tokens_bk: jax.Array, key: jax.Array) -> RoundOutcome:
+  """Draws the round: independent uniforms per position, all K residual samples and the bonus
+  in parallel (separate key streams), keeps the sample at index n. Returns RoundOutcome."""
+  key_u, key_r, key_b = jax.random.split(key, 3)
+  uniforms = jax.random.uniform(key_u, verdict.accept_prob_bk.shape, jnp.float32)
+  accepted_bk, n_b = leading_accepts(verdict.accept_prob_bk, uniforms)
+  residual_bk = sample_categorical(key_r, verdict.residual_bkv)
+  bonus_b = sample_categorical(key_b, verdict.bonus_bv)
+  candidates_bk1 = jnp.concatenate([residual_bk, bonus_b[:, None]], axis=1)
+  next_b = jnp.take_along_axis(candidates_bk1, n_b[:, None], axis=1)[:, 0]
+  positions = jnp.arange(candidates_bk1.shape[1])
+  drafts_bk1 = jnp.concatenate(
+      [draft_tokens_bk.astype(jnp.int32), jnp.full_like(n_b[:, None], -1)], axis=1)
+  tokens_bk1 = jnp.where(positions < n_b[:, None], drafts_bk1,
+                         jnp.where(positions == n_b[:, None], next_b[:, None], -1))
+  return RoundOutcome(num_accepted_b=n_b, next_token_b=next_b, accepted_bk=accepted_bk,
+                      tokens_bk1=tokens_bk1)
