@@ -7,13 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def expected_accepted(accept_prob_nk: np.ndarray, beta_nk: np.ndarray) -> np.ndarray:
-  """Low-variance min-kernel estimator of E[accepted drafts] per round (methods.md):
-  sum_n (prod_{i<n} a_i(x_i)) * beta_n, along the drafted path. [N, K] -> [N]."""
-  prefix = np.cumprod(np.concatenate([np.ones_like(accept_prob_nk[:, :1]),
-                                      accept_prob_nk[:, :-1]], axis=1), axis=1)
-  return np.sum(prefix * beta_nk, axis=1)
+from diversed_jax.speculative import acceptance
 
 
 def summarize(stats, num_tokens: int, speculative: bool) -> dict:
@@ -21,7 +15,8 @@ def summarize(stats, num_tokens: int, speculative: bool) -> dict:
 
   Returns a dict with rounds (row-rounds), accepted drafts, acceptance_rate (accepted /
   proposed drafts), tokens_per_round, mean_accepted (drafts per round) and
-  expected_accepted_theory (the estimator above, averaged).
+  expected_accepted_theory (the min-kernel estimator sum_n (prod_{i<n} a_i) beta_n of
+  methods.md, averaged over rounds: E[accepted drafts per round] predicted from a and beta).
   """
   active = np.asarray(stats.active_rb, bool)
   row_rounds = int(active.sum())
@@ -32,8 +27,8 @@ def summarize(stats, num_tokens: int, speculative: bool) -> dict:
   if not speculative or k == 0:
     out.update(acceptance_rate=0.0, mean_accepted=0.0, expected_accepted_theory=0.0)
     return out
-  theory = expected_accepted(np.asarray(stats.accept_prob_rbk)[active],
-                             np.asarray(stats.beta_rbk)[active])
+  theory = np.asarray(acceptance.path_accepted_length_beta(
+      np.asarray(stats.accept_prob_rbk)[active], np.asarray(stats.beta_rbk)[active]))
   out.update(acceptance_rate=float(n.sum() / max(row_rounds * k, 1)),
              mean_accepted=float(n.mean()) if n.size else 0.0,
              expected_accepted_theory=float(theory.mean()) if theory.size else 0.0)
