@@ -122,3 +122,38 @@ def test_report_handles_missing_ar(tmp_path):
   assert rows[0]["acceptance_rate"] == 6 / 16 and rows[0]["tokens_per_round"] == 2.5
   paths = report.write_reports(rows, str(tmp_path))
   assert os.path.getsize(paths["pareto.png"]) > 0
+
+
+def test_xsum_local_file_evaluates_with_rouge(tmp_path, tiny_dir, monkeypatch):
+  monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
+  data = tmp_path / "xsum.jsonl"
+  data.write_text("".join(json.dumps({"id": f"x{i}", "document": f"The river rose {i} metres.",
+                                      "summary": "The river rose."}) + "\n" for i in range(2)))
+  config = config_io.load_config(os.path.join(ROOT, "configs", "xsum.py:tiny"),
+                                 {"methods.run": "ar", "task.source": str(data)})
+  rows = evaluate.evaluate(config, str(tmp_path / "run"), log=lambda m: None)
+  assert rows[0]["quality_metric"] == "rouge2" and rows[0]["n_examples"] == 2
+  assert rows[0]["dataset"] == f"xsum:{data}:test"
+
+
+def test_bench_mode(tmp_path, tiny_dir, monkeypatch):
+  from diversed_jax.evaluation import runner
+  monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
+  config = config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py:tiny"),
+                                 {"mode": "bench", "methods.run": "ar,sd"})
+  rows = runner.run(config, str(tmp_path), log=lambda m: None)
+  assert [r["setting"] for r in rows] == ["ar", "sd"]
+  assert rows[0]["speedup_vs_ar"] == 1.0 and rows[1]["tokens_per_second"] > 0
+  assert (tmp_path / "bench.md").is_file() and (tmp_path / "bench.json").is_file()
+
+
+def test_distill_mode_runs_the_distill_job(tmp_path, monkeypatch):
+  from diversed_jax.distill import train as distill_train
+  from diversed_jax.evaluation import runner
+  seen = []
+  monkeypatch.setattr(distill_train, "run", seen.append)
+  monkeypatch.chdir(ROOT)
+  config = config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py"),
+                                 {"mode": "distill", "distill.mode": "data"})
+  runner.run(config, str(tmp_path), log=lambda m: None)
+  assert len(seen) == 1 and seen[0].mode == "data"

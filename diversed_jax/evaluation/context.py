@@ -50,11 +50,30 @@ def encode_prompts(config, task: Task, examples, tokenizer) -> list[list[int]]:
 
 @dataclasses.dataclass
 class Models:
-  """The loaded pair: decoders['default'] / ['finetuned'] and what was resolved."""
+  """The loaded pair and what was resolved (info: target, draft, head, finetuned_draft).
+
+  decoders: 'default' (the draft; its head is the shipped one or w = 0.5), 'finetuned'
+  (the fine-tuned draft) and, once a head folder is attached, 'diversed' (the default
+  draft with that head; a decoder of its own keeps the others' compiled programs valid).
+  """
   target: Any
   tokenizer: Any
   decoders: dict[str, SpeculativeDecoder]
   info: dict
+
+  def decoder_for(self, setting) -> SpeculativeDecoder:
+    if setting.family == "diversed" and "diversed" in self.decoders:
+      return self.decoders["diversed"]
+    return self.decoders[setting.draft]
+
+  def attach_head(self, folder: str) -> None:
+    """Uses the head in `folder` (written by training.train_head) for 'diversed'."""
+    from diversed_jax.training import head_io
+    weight_fn, params = head_io.load_head_folder(folder)
+    base = self.decoders["default"]
+    self.decoders["diversed"] = SpeculativeDecoder(base.target, base.draft, base.draft_params,
+                                                   weight_fn, params)
+    self.info["head"] = folder
 
 
 def resolve_head(config, workdir: str | None) -> str | None:
@@ -66,11 +85,6 @@ def resolve_head(config, workdir: str | None) -> str | None:
     if os.path.isfile(os.path.join(trained, "head.json")):
       return trained
   return None
-
-
-def _attach_head(decoder: SpeculativeDecoder, folder: str) -> None:
-  from diversed_jax.training import head_io
-  decoder.weight_fn, decoder.head_params = head_io.load_head_folder(folder)
 
 
 def load_models(config, settings, workdir: str | None = None, target=None,
@@ -89,9 +103,6 @@ def load_models(config, settings, workdir: str | None = None, target=None,
     decoder, built = build.build_decoder(
         target, config.model.draft or None, None, head_task,
         need_draft=bool(drafts_needed - {"finetuned"}))
-    if head_folder and "diversed" in families:
-      _attach_head(decoder, head_folder)
-      built["head"] = head_folder
     decoders["default"] = decoder
     info.update(built)
   if "finetuned" in drafts_needed:
@@ -101,5 +112,8 @@ def load_models(config, settings, workdir: str | None = None, target=None,
     info["finetuned_draft"] = built["draft"]
   if "default" not in decoders:
     decoders["default"] = decoders["finetuned"]
+  models = Models(target, tokenizer, decoders, info)
+  if head_folder and "diversed" in families:
+    models.attach_head(head_folder)
   log("models: " + ", ".join(f"{k}={v}" for k, v in info.items()))
-  return Models(target, tokenizer, decoders, info)
+  return models

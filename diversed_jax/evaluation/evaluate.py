@@ -17,6 +17,7 @@ import os
 import time
 from typing import Callable
 
+import jax
 import numpy as np
 
 from diversed_jax.evaluation import context as context_lib
@@ -48,17 +49,19 @@ def setting_fingerprint(config, setting, models) -> str:
                      task.max_prompt_tokens, context_lib.field_overrides(task.fields))
 
 
-def row_figures(stats, row: int, with_weights: bool) -> dict:
-  """Acceptance sums of one row of a batch (see the module doc)."""
-  active = np.asarray(stats.active_rb)[:, row].astype(bool)
-  accept_prob = np.asarray(stats.accept_prob_rbk)[active, row]
-  k = accept_prob.shape[-1]
-  out = {"rounds": int(active.sum()), "num_draft": int(k),
-         "accepted": int(np.asarray(stats.num_accepted_rb)[active, row].sum()),
-         "theory": float(metrics.expected_accepted(
-             accept_prob, np.asarray(stats.beta_rbk)[active, row]).sum()) if k else 0.0}
+def row_figures(stats, row: int, num_tokens: int, speculative: bool,
+                with_weights: bool) -> dict:
+  """Acceptance sums of one row of a batch (see the module doc), via metrics.summarize."""
+  row_stats = jax.tree.map(lambda x: np.asarray(x)[:, row:row + 1], stats)
+  figures = metrics.summarize(row_stats, num_tokens, speculative)
+  rounds = figures["rounds"]
+  out = {"rounds": rounds,
+         "num_draft": int(row_stats.accept_prob_rbk.shape[-1]) if speculative else 0,
+         "accepted": int(round(figures["mean_accepted"] * rounds)),
+         "theory": figures["expected_accepted_theory"] * rounds}
+  active = np.asarray(row_stats.active_rb)[:, 0].astype(bool)
   if with_weights and active.any():
-    out["weight"] = float(np.asarray(stats.weights_rbk)[active, row].mean())
+    out["weight"] = float(np.asarray(row_stats.weights_rbk)[active, 0].mean())
   return out
 
 
@@ -66,7 +69,7 @@ def run_setting(setting, fp: str, config, models, task, examples, prompts, store
                 log: Callable = print, after_batch: Callable | None = None) -> None:
   """Decodes the examples of `setting` not yet in `store`, one batch at a time."""
   done = store.done(fp)
-  decoder = models.decoders[setting.draft]
+  decoder = models.decoder_for(setting)
   size = config.decode.batch_size
   batches = range(0, len(examples), size)
   for number, start in enumerate(batches, 1):
@@ -91,7 +94,8 @@ def run_setting(setting, fp: str, config, models, task, examples, prompts, store
           "fingerprint": fp, "setting": setting.name, "method": setting.family,
           "params": setting.params_dict, "example_id": examples[i].id, "index": i,
           "completion": texts[j], "num_tokens": len(out.token_ids[j]), "seconds": share,
-          "reward": float(rewards[j]), **row_figures(out.stats, j, ensemble)})
+          "reward": float(rewards[j]),
+          **row_figures(out.stats, j, len(out.token_ids[j]), setting.family != "ar", ensemble)})
     store.append(records)
     tokens = sum(r["num_tokens"] for r in records)
     rate = sum(r["accepted"] for r in records) / max(

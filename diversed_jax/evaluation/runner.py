@@ -67,7 +67,7 @@ def bench(config, workdir: str, log: Callable = _log) -> list[dict]:
   for setting in settings:
     kwargs = dict(num_draft=config.decode.num_draft,
                   max_new_tokens=config.decode.max_new_tokens, seed=config.seed)
-    decoder = models.decoders[setting.draft]
+    decoder = models.decoder_for(setting)
     first = decoder.generate(prompts, setting.verify, **kwargs)
     runs = [decoder.generate(prompts, setting.verify, **kwargs)
             for _ in range(config.bench.repeats)]
