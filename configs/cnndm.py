@@ -1,7 +1,8 @@
 """CNN/DailyMail summarisation (ROUGE-2 F) on the shipped 100-article test sample.
 
   python -m diversed_jax.main --config=configs/cnndm.py
-  python -m diversed_jax.main --config=configs/cnndm.py:llama --config.task.source=abisee/cnn_dailymail
+  python -m diversed_jax.main --config=configs/cnndm.py:llama \
+      --config.task.source=abisee/cnn_dailymail
 """
 
 from configs import default

@@ -34,14 +34,14 @@ def base() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.preset = "embedded"  # name of the pair (set by the :variant argument)
   c.model.target = "smollm2-135m-instruct"  # registry name, model folder, .gguf or hub id
-  c.model.draft = ""  # '' = the target's default (shipped distilled draft, else 'self:4'); 'self:L', a model or a draft folder
+  c.model.draft = ""  # '' = the target's default draft; 'self:L', a model or a draft folder
   c.model.finetuned_draft = ""  # draft of method 'sd_finetuned' ('' = that method is skipped)
   c.model.tokenizer = ""  # tokenizer spec; '' = the target's
   c.model.chat = True  # wrap prompts in the chat template (instruction-tuned targets)
 
   c.head = ml_collections.ConfigDict()
-  c.head.path = ""  # head folder for 'diversed'; '' = WORKDIR/train/head if trained, else the shipped head, else w = 0.5
-  c.head.task = ""  # whose shipped head to use when head.path is '' ('' = task.name); cross-task evaluation
+  c.head.path = ""  # head folder; '' = WORKDIR/train/head, else the shipped head, else w = 0.5
+  c.head.task = ""  # task of the shipped head when head.path is '' ('' = task.name)
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "gsm8k"  # 'gsm8k', 'cnndm', 'xsum', 'mbpp' or 'humaneval'
@@ -66,9 +66,9 @@ def base() -> ml_collections.ConfigDict:
   c.decode.batch_size = 4  # rows decoded together (the last batch is padded to this size)
 
   c.methods = ml_collections.ConfigDict()
-  c.methods.run = "ar,sd,lossy,static,diversed"  # comma list: ar sd sd_finetuned lossy cascade static diversed mentored typical
+  c.methods.run = "ar,sd,lossy,static,diversed"  # comma list of methods.FAMILIES
   c.methods.lenience = (0.3,)  # lossy SD grid of l in (0, 1]
-  c.methods.static_weights = (0.5,)  # static-ensemble grid of w (weight on the target) in [0, 1]
+  c.methods.static_weights = (0.25, 0.5, 0.75)  # static-ensemble grid of w (on the target)
   c.methods.static_rule = "static"  # 'static' (mixture of probabilities) or 'static_logit'
   c.methods.cascade_rules = ("opt",)  # SpecCascade deferral rules (chow diff opt v1 v2 v3)
   c.methods.cascade_alpha = 0.1  # SpecCascade lenience alpha
@@ -90,7 +90,7 @@ def base() -> ml_collections.ConfigDict:
   c.distill.mode = "train"  # its mode: 'data', 'train' or 'export'
 
   c.train = train_config.default_config()  # head training (diversed_jax.training), see there
-  c.train.task = ""  # task whose examples train the head ('' = task.name); any task's head evaluates on any task
+  c.train.task = ""  # task whose examples train the head ('' = task.name)
   c.train.source = ""  # '' = the task's shipped sample; a local .jsonl/.json file or a hub name
   c.train.split = "train"  # split of train.source to train on
   c.train.limit = 0  # training prompts (0 = the whole split)

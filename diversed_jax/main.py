@@ -10,8 +10,8 @@ Modes, config fields and outputs: see configs/default.py and evaluation/runner.p
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/NAME.py[:VARIANT]).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file, configs/NAME.py[:VARIANT].", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: config.workdir).")
 
 

@@ -124,16 +124,27 @@ def test_report_handles_missing_ar(tmp_path):
   assert os.path.getsize(paths["pareto.png"]) > 0
 
 
-def test_xsum_local_file_evaluates_with_rouge(tmp_path, tiny_dir, monkeypatch):
+def test_xsum_local_file_with_a_head_from_another_task(tmp_path, tiny_dir, monkeypatch):
+  import jax
+  from diversed_jax.rl.head import EnsembleHead, init_head
+  from diversed_jax.training import head_io
   monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
   data = tmp_path / "xsum.jsonl"
   data.write_text("".join(json.dumps({"id": f"x{i}", "document": f"The river rose {i} metres.",
                                       "summary": "The river rose."}) + "\n" for i in range(2)))
+  # A head "trained on GSM8K": at initialisation it outputs w = 0.8 everywhere.
+  module = EnsembleHead(init_weight=0.8)
+  head = head_io.save_head(str(tmp_path / "gsm8k_head"), module,
+                           init_head(module, jax.random.PRNGKey(0), 32, 32), 32, 32,
+                           task="gsm8k")
   config = config_io.load_config(os.path.join(ROOT, "configs", "xsum.py:tiny"),
-                                 {"methods.run": "ar", "task.source": str(data)})
+                                 {"methods.run": "ar,diversed", "task.source": str(data),
+                                  "head.path": head})
   rows = evaluate.evaluate(config, str(tmp_path / "run"), log=lambda m: None)
-  assert rows[0]["quality_metric"] == "rouge2" and rows[0]["n_examples"] == 2
-  assert rows[0]["dataset"] == f"xsum:{data}:test"
+  assert [r["quality_metric"] for r in rows] == ["rouge2", "rouge2"]
+  assert rows[0]["n_examples"] == 2 and rows[0]["dataset"] == f"xsum:{data}:test"
+  assert rows[1]["params"]["head"] == head
+  assert abs(rows[1]["mean_weight"] - 0.8) < 1e-4
 
 
 def test_bench_mode(tmp_path, tiny_dir, monkeypatch):

@@ -41,8 +41,9 @@ def setting_fingerprint(config, setting, models) -> str:
   draft = (None if setting.family == "ar" else
            models.info.get("finetuned_draft" if setting.draft == "finetuned" else "draft"))
   head = models.info.get("head") if setting.family == "diversed" else None
+  digests = (context_lib.folder_digest(draft), context_lib.folder_digest(head))
   task = config.task
-  return fingerprint(setting.name, dataclasses.asdict(setting.verify), draft, head,
+  return fingerprint(setting.name, dataclasses.asdict(setting.verify), draft, head, digests,
                      config.model.target, config.model.tokenizer, config.model.chat,
                      config.decode.num_draft, config.decode.max_new_tokens, config.seed,
                      task.name, task.source, task.split, task.num_shots,
