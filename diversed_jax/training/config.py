@@ -29,7 +29,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.ppo_epochs = 1  # updates per rollout batch; > 1 uses the PPO clipped ratio
   c.clip_eps = 0.2  # PPO clip epsilon (used when ppo_epochs > 1)
   # Optimiser: clip, AdamW, linear warm-up then cosine decay to 0 at total_steps.
-  c.learning_rate = 3e-3  # peak learning rate
+  c.learning_rate = 3e-4  # peak learning rate (Adam moves all ~D kernel entries at once)
   c.warmup_steps = 2  # linear warm-up steps
   c.total_steps = 40  # rollout steps (each: rollouts -> rewards -> ppo_epochs updates)
   c.weight_decay = 0.0  # AdamW decay of the dense kernels

@@ -90,6 +90,15 @@ def hidden_sizes(target_config, target_params, draft, draft_params) -> tuple[int
   return int(out.h_q_btd.shape[-1]), int(out.h_p_btd.shape[-1])
 
 
+def _last_logged(workdir: str) -> dict:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  return json.loads(lines[-1]) if lines else {}
+
+
 def _scalar(x) -> float:
   return float(np.asarray(x))
 
@@ -225,6 +234,8 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
     logger.close()
     ckpt.close()
 
+  if not last:  # resumed a finished run: the last logged metrics
+    last = {k: v for k, v in _last_logged(workdir).items() if k != "step"}
   from diversed_jax.training.artifacts import portable_draft_spec
   return head_io.save_head(
       os.path.join(workdir, "head"), module, params, dq, dp,

@@ -1,0 +1,69 @@
+"""Trains a DIVERSED head for a target/draft pair on a task; resumable.
+
+  python -m diversed_jax.training --task=gsm8k --workdir=runs/heads/gsm8k \
+      --train.total_steps=30 --train.max_new_tokens=64 [--ship_as=smollm2-self4-gsm8k]
+
+--ship_as copies the trained head folder to diversed_jax/assets/heads/<name>, where
+training.artifacts registers it as the default head for (target, draft, task).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from diversed_jax.training.config import default_config
+
+_TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct", "target model spec")
+_DRAFT = flags.DEFINE_string("draft", None, "draft spec (default: the target's default draft)")
+_TASK = flags.DEFINE_string("task", "gsm8k", "task name (diversed_jax.tasks)")
+_SPLIT = flags.DEFINE_string("split", "train", "split of the training prompts")
+_SOURCE = flags.DEFINE_string("source", None, "dataset source (default: the shipped sample)")
+_LIMIT = flags.DEFINE_integer("limit", None, "use the first N examples")
+_SHOTS = flags.DEFINE_integer("shots", 0, "few-shot examples in each prompt")
+_MAX_WORDS = flags.DEFINE_integer("max_source_words", None,
+                                  "article truncation of summarization prompts (task default)")
+_WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, logs and head/", required=True)
+_SHIP_AS = flags.DEFINE_string("ship_as", None, "copy the head to assets/heads/<name>")
+config_flags.DEFINE_config_dict("train", default_config(), lock_config=True)
+
+
+def main(argv):
+  del argv
+  from diversed_jax.models import loading
+  from diversed_jax.speculative import build
+  from diversed_jax.tasks import prompts as prompts_lib
+  from diversed_jax.tasks.registry import get_task
+  from diversed_jax.tokenizer import load_tokenizer
+  from diversed_jax.training import artifacts
+  from diversed_jax.training.trainer import text_task, train_head
+
+  target = loading.load_model(_TARGET.value)
+  draft, draft_params, draft_spec = build.load_draft(_DRAFT.value, target)
+  task = get_task(_TASK.value)
+  if _MAX_WORDS.value is not None:
+    task = dataclasses.replace(task, max_source_words=_MAX_WORDS.value)
+  examples = task.load(source=_SOURCE.value, split=_SPLIT.value, limit=_LIMIT.value)
+  shots = prompts_lib.load_shots(task.name, _SHOTS.value) if _SHOTS.value else ()
+  tokenizer = load_tokenizer(_TARGET.value)
+  print(f"target {target.name}, draft {draft_spec}, task {task.name}: {len(examples)} "
+        f"{_SPLIT.value} examples", flush=True)
+  folder = train_head(flags.FLAGS.train, target=target, draft=draft,
+                      draft_params=draft_params, task=text_task(task, tokenizer, shots=shots),
+                      examples=examples, workdir=_WORKDIR.value, draft_spec=draft_spec,
+                      progress=lambda line: print(line, flush=True))
+  print(f"head: {folder}", flush=True)
+  if _SHIP_AS.value:
+    dest = os.path.join(artifacts.ASSETS, _SHIP_AS.value)
+    os.makedirs(dest, exist_ok=True)
+    for name in ("head.json", "params.npz"):
+      shutil.copyfile(os.path.join(folder, name), os.path.join(dest, name))
+    print(f"shipped: {dest}", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
