@@ -145,3 +145,29 @@ def test_truncate_layers_is_the_first_layers():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
   cache = KVCache.create(cfg, BATCH, 8).truncated(2)
   assert cache.k_lbshd.shape[0] == 2
+
+
+@pytest.mark.parametrize("name", ["llama3_rope", "qwen2", "gemma2", "gemma3"])
+def test_unstacked_layers_match_stacked(name):
+  cfg, params, tokens_bt, ref_btv = case(name)
+  flat = transformer.unstack_layers(params)
+  assert isinstance(flat["layers"], tuple) and len(flat["layers"]) == cfg.num_layers
+  cache = KVCache.create(cfg, BATCH, 40)
+  want, _, want_cache = transformer.forward_jit(params, cfg, jnp.asarray(tokens_bt), cache)
+  got, _, got_cache = transformer.forward_jit(flat, cfg, jnp.asarray(tokens_bt), cache)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(got_cache.k_lbshd), np.asarray(want_cache.k_lbshd),
+                             atol=1e-5, rtol=0)
+  assert np.abs(np.asarray(got) - ref_btv).max() <= 1e-4
+  step = jnp.asarray(tokens_bt[:, :1])
+  np.testing.assert_allclose(
+      np.asarray(transformer.forward_jit(flat, cfg, step, got_cache)[0]),
+      np.asarray(transformer.forward_jit(params, cfg, step, want_cache)[0]), atol=1e-5, rtol=0)
+  small = transformer.truncate_layers(flat, 2)
+  np.testing.assert_allclose(
+      np.asarray(transformer.forward_jit(small, cfg.truncated(2), step)[0]),
+      np.asarray(transformer.forward_jit(transformer.truncate_layers(params, 2),
+                                         cfg.truncated(2), step)[0]), atol=1e-5, rtol=0)
+  restacked = transformer.stack_layers(flat)
+  for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
