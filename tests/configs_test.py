@@ -163,3 +163,11 @@ def test_bad_override_on_the_command_line_fails_before_loading(tmp_path):
   assert proc.returncode != 0
   assert "ValueError: decode.temperature=-1.0" in proc.stderr, proc.stderr[-2000:]
   assert "loading target" not in proc.stdout
+
+
+def test_shots_never_come_from_the_evaluated_file(tmp_path):
+  path = tmp_path / "x.jsonl"
+  path.write_text(json.dumps({"document": "d", "summary": "s"}) + "\n")
+  with pytest.raises(ValueError, match="task.num_shots=1"):
+    validate(_load("xsum", **{"task.source": str(path), "task.num_shots": 1}))
+  validate(_load("gsm8k", **{"task.num_shots": 2}))  # from the shipped train split

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from diversed_jax import tokenizer as tokenizer_lib
+from diversed_jax.evaluation import validate as validate_lib
 from diversed_jax.models import loading
 from diversed_jax.speculative import build
 from diversed_jax.speculative.decoder import SpeculativeDecoder
@@ -37,9 +38,13 @@ def load_slice(task_cfg, split: str | None = None, offset: int | None = None,
 
 def encode_prompts(config, task: Task, examples, tokenizer) -> list[list[int]]:
   """Prompt ids per example; longer than task.max_prompt_tokens: the last ones kept."""
+  # Shots come from a train split, never from the evaluated file: the hub dataset's when
+  # the source is a hub name, else the shipped one.
+  source = config.task.source
+  hub = bool(source) and not validate_lib.is_local(source)
   shots = prompts_lib.load_shots(task.name, config.task.num_shots,
-                                 source=config.task.source or None,
-                                 fields=field_overrides(config.task.fields) or None)
+                                 source=source if hub else None,
+                                 fields=field_overrides(config.task.fields) if hub else None)
   cap = config.task.max_prompt_tokens
   out = []
   for example in examples:

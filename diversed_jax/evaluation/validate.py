@@ -32,7 +32,8 @@ def _fail(field: str, value, why: str):
   raise ValueError(f"{field}={value!r}: {why}")
 
 
-def _is_local(spec: str) -> bool:
+def is_local(spec: str) -> bool:
+  """A path rather than a hub name (what tasks.datasets reads as a local file)."""
   return spec.startswith(("/", ".", "~")) or spec.endswith((".json", ".jsonl", ".gguf"))
 
 
@@ -44,7 +45,7 @@ def _check_model(field: str, spec: str, allow_self: bool = False) -> None:
       _fail(field, spec, "a self-draft is 'self:L' with L >= 1 target layers")
     return
   if (registry.is_registered(spec) or os.path.exists(os.path.expanduser(spec))
-      or (loading.looks_like_hub_id(spec) and not _is_local(spec))):
+      or (loading.looks_like_hub_id(spec) and not is_local(spec))):
     return
   _fail(field, spec, "not a registered model name "
         f"({', '.join(sorted(registry.REGISTRY))}), an existing file or folder, or a hub "
@@ -79,7 +80,7 @@ def _check_task(config) -> None:
   if t.name not in TASKS:
     _fail("task.name", t.name, f"must be one of {list(TASKS)}")
   source = t.source
-  if source and _is_local(source) and not os.path.isfile(os.path.expanduser(source)):
+  if source and is_local(source) and not os.path.isfile(os.path.expanduser(source)):
     _fail("task.source", source, "no such file (a local .jsonl/.json file or a hub name)")
   if not source:
     if not SHIPPED_SPLITS[t.name]:
@@ -93,6 +94,10 @@ def _check_task(config) -> None:
   _check_number("task.num_shots", t.num_shots, 0, integer=True)
   if t.name == "humaneval" and t.num_shots:
     _fail("task.num_shots", t.num_shots, "humaneval has no train split for few-shot examples")
+  if t.num_shots and (not source or is_local(source)) and not (
+      set(SHIPPED_SPLITS[t.name]) & {"train", "prompt"}):
+    _fail("task.num_shots", t.num_shots, f"few-shot examples come from a train split: none "
+          f"ships for {t.name}; use a hub source")
   _check_number("task.max_prompt_tokens", t.max_prompt_tokens, 2, integer=True)
   for key, value in t.fields.items():
     if value and key not in TASK_FIELDS[t.name]:
@@ -172,7 +177,7 @@ def validate(config) -> None:
   if config.mode in ("train", "train_and_eval"):
     train_task = config.train.task or config.task.name
     source = config.train.source
-    if source and _is_local(source) and not os.path.isfile(os.path.expanduser(source)):
+    if source and is_local(source) and not os.path.isfile(os.path.expanduser(source)):
       _fail("train.source", source, "no such file (a local .jsonl/.json file or a hub name)")
     if not source and config.train.split not in SHIPPED_SPLITS[train_task]:
       _fail("train.split" if SHIPPED_SPLITS[train_task] else "train.task",
