@@ -18,6 +18,7 @@ def get_config():
 
   c.data = ml_collections.ConfigDict()
   c.data.dir = "runs/distill_ref_smollm2"  # shard folder shared by data and train modes
+  c.data.extra_train_dirs = ()  # more shard folders, all used for training (not data mode)
   c.data.continuation = "reference"  # 'reference' (dataset answers) or 'target' (generated)
   # JSONL files (relative paths: under diversed_jax/data). Train/validation splits only.
   c.data.gsm8k_path = ("distill/gsm8k_train.jsonl",)  # records with 'question'

@@ -40,29 +40,40 @@ def load_sequences(path: str) -> list[Sequence]:
 class ShardPool:
   """The training shards of a folder (held-out indices excluded), loaded lazily."""
 
-  def __init__(self, folder: str, held_out: tuple[int, ...]):
+  def __init__(self, folder: str, held_out: tuple[int, ...], extra_folders=()):
     self.folder = folder
+    self.extra_folders = tuple(extra_folders)
     self.held_out = set(held_out)
     self.sequences: list[Sequence] = []
     self.num_shards = 0
     self._paths: list[str] = []
+    self._loaded: set[str] = set()
 
   def available(self) -> int:
     """How many training shards exist on disk now."""
-    self._paths = [p for p in data.list_shards(self.folder)
-                   if int(p[-9:-4]) not in self.held_out]
+    paths = [p for p in data.list_shards(self.folder) if int(p[-9:-4]) not in self.held_out]
+    for folder in self.extra_folders:  # every shard of an extra folder is for training
+      paths += data.list_shards(folder)
+    # Interleave the folders by shard index so that a growing folder keeps earlier order.
+    self._paths = sorted(paths, key=lambda p: (int(p[-9:-4]), p))
     return len(self._paths)
 
   def use(self, num_shards: int) -> None:
-    """Loads the first `num_shards` training shards (in index order)."""
+    """Loads training shards (in listing order) until `num_shards` are in use. Windows are
+    reproducible for a fixed set of shard files; shards appearing while a run is stopped can
+    change which n files a resumed run uses."""
     if num_shards > len(self._paths):
       self.available()
     if num_shards > len(self._paths):
       raise ValueError(f"need {num_shards} training shards in {self.folder}, "
                        f"found {len(self._paths)}")
-    for path in self._paths[self.num_shards:num_shards]:
-      self.sequences.extend(load_sequences(path))
-    self.num_shards = num_shards
+    for path in self._paths:
+      if self.num_shards >= num_shards:
+        break
+      if path not in self._loaded:
+        self.sequences.extend(load_sequences(path))
+        self._loaded.add(path)
+        self.num_shards += 1
 
 
 def window_batch(sequences: list[Sequence], rng: np.random.Generator, batch: int, window: int,

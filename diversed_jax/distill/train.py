@@ -118,7 +118,8 @@ class Trainer:
     tc = config.train
     self.workdir = os.path.abspath(config.workdir)
     os.makedirs(self.workdir, exist_ok=True)
-    self.pool = batches.ShardPool(config.data.dir, tuple(tc.eval_shards))
+    self.pool = batches.ShardPool(config.data.dir, tuple(tc.eval_shards),
+                                  tuple(config.data.extra_train_dirs))
     self.tx = _optimizer(tc)
     self.hp = (tc.loss, float(tc.feature_weight), int(tc.unroll))
     self.manager = ocp.CheckpointManager(
@@ -283,8 +284,8 @@ def run(config: ml_collections.ConfigDict) -> None:
   from diversed_jax.models.loading import load_model
   validate(config)
   log = _log_fn(config.workdir if config.mode != "data" else config.data.dir)
-  target = load_model(config.target)
   if config.mode == "data":
+    target = load_model(config.target)
     n = data.generate(config.data, target, config.data.dir, log=log)
     log(f"{n} shards in {config.data.dir}")
     return
@@ -295,6 +296,6 @@ def run(config: ml_collections.ConfigDict) -> None:
     shutil.copytree(src, config.export_dir, dirs_exist_ok=True)
     log(f"copied {src} to {config.export_dir}")
     return
-  trainer = Trainer(config, target, log=log)
+  trainer = Trainer(config, load_model(config.target), log=log)
   trainer.train()
   trainer.maybe_export_best()
