@@ -8,3 +8,5 @@ mkdir -p runs/heads
 run feature_gsm8k_lam0.05 --task=gsm8k --train.lam=0.05 --ship_as=smollm2-135m-instruct_feature_gsm8k &
 run feature_cnndm_lam0.05 --task=cnndm --max_source_words=150 --train.lam=0.05 --ship_as=smollm2-135m-instruct_feature_cnndm &
 wait
+# Second lambda on CNN/DM for the report (not a shipped default; copied to experiments/heads).
+run feature_cnndm_lam0.5 --task=cnndm --max_source_words=150 --train.lam=0.5
