@@ -147,11 +147,15 @@ def test_truncate_layers_is_the_first_layers():
   assert cache.k_lbshd.shape[0] == 2
 
 
-@pytest.mark.parametrize("name", ["llama3_rope", "qwen2", "gemma2", "gemma3"])
-def test_unstacked_layers_match_stacked(name):
+@pytest.mark.parametrize("name,fuse", [("llama3_rope", False), ("llama", True), ("qwen2", True),
+                                       ("qwen3", True), ("gemma2", True), ("gemma3", False)])
+def test_unstacked_layers_match_stacked(name, fuse):
+  """The unrolled per-layer layout (with q/k/v and gate/up fused or not) computes the same
+  logits and cache as the stacked scan, and converts back exactly."""
   cfg, params, tokens_bt, ref_btv = case(name)
-  flat = transformer.unstack_layers(params)
+  flat = transformer.unstack_layers(params, fuse=fuse)
   assert isinstance(flat["layers"], tuple) and len(flat["layers"]) == cfg.num_layers
+  assert ("qkv" in flat["layers"][0]) == fuse
   cache = KVCache.create(cfg, BATCH, 40)
   want, _, want_cache = transformer.forward_jit(params, cfg, jnp.asarray(tokens_bt), cache)
   got, _, got_cache = transformer.forward_jit(flat, cfg, jnp.asarray(tokens_bt), cache)

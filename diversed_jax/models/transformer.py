@@ -2,7 +2,7 @@
 
 Parameters (x @ W layout, [in, out]); per-layer leaves are stacked on a leading L axis
 so that `lax.scan` runs the layers (0.4 s to compile on a 2-core CPU instead of 4-9 s
-unrolled, and faster decoding):
+unrolled):
 
   embed            [V, D]
   lm_head          [D, V]            (absent when config.tie_embeddings)
@@ -15,8 +15,10 @@ unrolled, and faster decoding):
   layers/q_norm, k_norm [L, Dh]                                          (qk_norm)
   layers/post_attn_norm, post_mlp_norm [L, D]                            (sandwich_norm)
 
-`layers` may also be a tuple of L per-layer dicts (`unstack_layers`): the same maths,
-unrolled, faster to run and slower to compile.
+`layers` may also be a tuple of L per-layer dicts (`unstack_layers`), optionally with
+q/k/v fused into `qkv` [D, (H+2Hkv)*Dh] (+ `qkv_bias`) and gate/up into `gate_up` [D, 2F]:
+the same maths unrolled, reading each weight in place (XLA:CPU copies every layer's
+weights out of stacked arrays inside a scan): faster decoding, slower compile.
 
 Shape legend: B batch, T new tokens, S cache slots, D hidden, V vocabulary.
 """
@@ -71,11 +73,17 @@ def _project_qkv(config, lp, x_btd, positions_bt, inv_freq):
   """Rotated queries [B, T, H, Dh] and keys, values [B, T, Hkv, Dh] of new tokens."""
   b, t, _ = x_btd.shape
   h, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
-  q = x_btd @ lp["q"]
-  k = x_btd @ lp["k"]
-  v = x_btd @ lp["v"]
-  if config.qkv_bias:
-    q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+  if "qkv" in lp:  # fused by unstack_layers: one matmul instead of three
+    qkv = x_btd @ lp["qkv"]
+    if config.qkv_bias:
+      qkv = qkv + lp["qkv_bias"]
+    q, k, v = jnp.split(qkv, [h * dh, (h + hkv) * dh], axis=-1)
+  else:
+    q = x_btd @ lp["q"]
+    k = x_btd @ lp["k"]
+    v = x_btd @ lp["v"]
+    if config.qkv_bias:
+      q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
   q = q.reshape(b, t, h, dh)
   k = k.reshape(b, t, hkv, dh)
   v = v.reshape(b, t, hkv, dh)
@@ -140,7 +148,11 @@ def _layer(config, lp, carry, positions_bt, inv_freq, sliding, index):
     attn = rms_norm(attn, lp["post_attn_norm"], config.norm_eps, config.norm_offset)
   x = x + attn
   h = rms_norm(x, lp["mlp_norm"], config.norm_eps, config.norm_offset)
-  mlp = (_activation(config, h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
+  if "gate_up" in lp:
+    gate, up = jnp.split(h @ lp["gate_up"], 2, axis=-1)
+  else:
+    gate, up = h @ lp["gate"], h @ lp["up"]
+  mlp = (_activation(config, gate) * up) @ lp["down"]
   if config.sandwich_norm:
     mlp = rms_norm(mlp, lp["post_mlp_norm"], config.norm_eps, config.norm_offset)
   return x + mlp, k_all, v_all
@@ -218,19 +230,27 @@ def truncate_layers(params: Params, num_layers: int) -> Params:
   return out
 
 
-def unstack_layers(params: Params) -> Params:
+def unstack_layers(params: Params, fuse: bool = True) -> Params:
   """The same parameters with `layers` as a tuple of L per-layer dicts (leaves without the
-  L axis), which `forward` runs as an unrolled Python loop.
+  L axis), which `forward` runs as an unrolled Python loop. With `fuse`, each layer's
+  q/k/v projections become one [D, (H + 2 Hkv) Dh] matrix `qkv` (biases `qkv_bias`) and
+  gate/up one [D, 2F] matrix `gate_up`: fewer, larger matmuls.
 
   Why: inside `lax.scan` XLA:CPU copies each layer's weights out of the stacked arrays
   before every matmul, so batch-1 decoding reads the weights about twice. Unstacked
-  weights are read in place (~1.5x faster decoding on a 2-core CPU) at the price of a
-  longer compile (the layers are unrolled). Use for inference; keep the stacked form for
-  training and checkpoints (`stack_layers` converts back).
+  weights are read in place (see benchmarks/README.md) at the price of a longer compile
+  (the layers are unrolled). Use for inference; keep the stacked form for training and
+  checkpoints (`stack_layers` converts back).
   """
   if isinstance(params["layers"], (tuple, list)):
     return params
-  stacked = params["layers"]
+  stacked = dict(params["layers"])
+  if fuse:
+    stacked["qkv"] = jnp.concatenate([stacked.pop(n) for n in ("q", "k", "v")], axis=-1)
+    if "q_bias" in stacked:
+      stacked["qkv_bias"] = jnp.concatenate(
+          [stacked.pop(n) for n in ("q_bias", "k_bias", "v_bias")], axis=-1)
+    stacked["gate_up"] = jnp.concatenate([stacked.pop("gate"), stacked.pop("up")], axis=-1)
   num_layers = len(next(iter(stacked.values())))
   out = dict(params)
   out["layers"] = tuple({k: v[i] for k, v in stacked.items()} for i in range(num_layers))
@@ -238,11 +258,22 @@ def unstack_layers(params: Params) -> Params:
 
 
 def stack_layers(params: Params) -> Params:
-  """Inverse of `unstack_layers`."""
+  """Inverse of `unstack_layers` (fused matrices split back)."""
   if not isinstance(params["layers"], (tuple, list)):
     return params
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])
+  if "qkv" in stacked:
+    q_width = params["layers"][0]["o"].shape[0]
+    kv_width = (stacked["qkv"].shape[-1] - q_width) // 2
+    cuts = [q_width, q_width + kv_width]
+    stacked["q"], stacked["k"], stacked["v"] = jnp.split(stacked.pop("qkv"), cuts, axis=-1)
+    if "qkv_bias" in stacked:
+      stacked["q_bias"], stacked["k_bias"], stacked["v_bias"] = jnp.split(
+          stacked.pop("qkv_bias"), cuts, axis=-1)
+  if "gate_up" in stacked:
+    stacked["gate"], stacked["up"] = jnp.split(stacked.pop("gate_up"), 2, axis=-1)
   out = dict(params)
-  out["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])
+  out["layers"] = stacked
   return out
 
 
