@@ -93,24 +93,56 @@ def _project_qkv(config, lp, x_btd, positions_bt, inv_freq):
   return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
 
 
+# Up to this many query rows (T * H) per sequence, attention uses `_scores_values_flat`.
+_FLAT_ATTENTION_ROWS = 64
+
+
+def _scores_values_flat(q_btkgd, k_cache_bshd, v_cache_bshd, probs_fn):
+  """Attention for a few queries (decoding, verifying a short draft) that reads the cache
+  in its stored [B, S, Hkv, Dh] layout: each query head is scored against every kv head in
+  one batched matmul and the matching head is kept. It wastes a factor Hkv of a tiny
+  product but avoids the per-layer transposed copies of the cache that the grouped einsum
+  costs XLA:CPU."""
+  b, t, hkv, g, dh = q_btkgd.shape
+  s = k_cache_bshd.shape[1]
+  same_head_kj = jnp.eye(hkv, dtype=bool)
+  scores = jnp.einsum("bnd,bmd->bnm", q_btkgd.reshape(b, t * hkv * g, dh),
+                      k_cache_bshd.reshape(b, s * hkv, dh), preferred_element_type=jnp.float32)
+  scores = scores.reshape(b, t, hkv, g, s, hkv)
+  scores_btkgs = jnp.sum(jnp.where(same_head_kj[:, None, None, :], scores, 0.0), axis=-1)
+  probs_btkgs = probs_fn(scores_btkgs).astype(v_cache_bshd.dtype)
+  out = jnp.einsum("bns,bsm->bnm", probs_btkgs.reshape(b, t * hkv * g, s),
+                   v_cache_bshd.reshape(b, s, hkv * dh))
+  out = out.reshape(b, t, hkv, g, hkv, dh)
+  return jnp.sum(jnp.where(same_head_kj[:, None, :, None], out, 0.0), axis=-2)
+
+
 def _attend(config, q_bthd, k_cache_bshd, v_cache_bshd, positions_bt, sliding):
   """Grouped-query attention of new queries over one layer's cache; [B, T, H*Dh]."""
   b, t, h, dh = q_bthd.shape
   hkv = config.num_kv_heads
   s = k_cache_bshd.shape[1]
   q = q_bthd.reshape(b, t, hkv, h // hkv, dh)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache_bshd,
-                      preferred_element_type=jnp.float32) * config.scale
-  if config.attn_logit_softcap is not None:
-    scores = jnp.tanh(scores / config.attn_logit_softcap) * config.attn_logit_softcap
   slots = jnp.arange(s)
-  visible = slots[None, None, :] <= positions_bt[:, :, None]  # [B, T, S]
+  visible_bts = slots[None, None, :] <= positions_bt[:, :, None]
   if config.sliding_window is not None:
     in_window = slots[None, None, :] > positions_bt[:, :, None] - config.sliding_window
-    visible = visible & (in_window | ~sliding)
-  scores = jnp.where(visible[:, None, None], scores, -1e30)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_cache_bshd.dtype)
-  return jnp.einsum("bkgts,bskd->btkgd", probs, v_cache_bshd).reshape(b, t, h * dh)
+    visible_bts = visible_bts & (in_window | ~sliding)
+
+  def probs(scores, visible):
+    scores = scores.astype(jnp.float32) * config.scale
+    if config.attn_logit_softcap is not None:
+      scores = jnp.tanh(scores / config.attn_logit_softcap) * config.attn_logit_softcap
+    return jax.nn.softmax(jnp.where(visible, scores, -1e30), axis=-1)
+
+  if t * h <= _FLAT_ATTENTION_ROWS:
+    out = _scores_values_flat(
+        q, k_cache_bshd, v_cache_bshd, lambda x: probs(x, visible_bts[:, :, None, None]))
+    return out.reshape(b, t, h * dh)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache_bshd,
+                      preferred_element_type=jnp.float32)
+  p = probs(scores, visible_bts[:, None, None]).astype(v_cache_bshd.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", p, v_cache_bshd).reshape(b, t, h * dh)
 
 
 def _attention(config, lp, x_btd, positions_bt, k_cache_bshd, v_cache_bshd, inv_freq, sliding):
