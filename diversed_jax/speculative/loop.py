@@ -119,10 +119,15 @@ def _draft_round(spec: LoopSpec, draft, draft_params, state: _State, key):
                                         state.features_b2d)
   first = (logits[:, -1], hidden[:, -1])
 
+  def sample(key, logits_bv):
+    if vp.temperature == 0:  # greedy: skip the B x V random draws
+      return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    probs = distributions.scaled_probs(logits_bv, vp.temperature, vp.top_p)
+    return distributions.sample_categorical(key, probs)
+
   def step(carry, step_key):
     logits_bv, hidden_bd, cache = carry
-    probs = distributions.scaled_probs(logits_bv, vp.temperature, vp.top_p)
-    token_b = distributions.sample_categorical(step_key, probs)
+    token_b = sample(step_key, logits_bv)
     logits, hidden, cache = draft.forward(draft_params, token_b[:, None], cache, None)
     return (logits[:, 0], hidden[:, 0], cache), (token_b, logits_bv, hidden_bd)
 
@@ -131,8 +136,7 @@ def _draft_round(spec: LoopSpec, draft, draft_params, state: _State, key):
   # The first K-1 (or K) steps both sample and feed; the last step only samples.
   (last_logits, last_hidden, cache), (tokens, logits_s, hidden_s) = jax.lax.scan(
       step, (*first, cache), keys[:steps - 1])
-  last_probs = distributions.scaled_probs(last_logits, vp.temperature, vp.top_p)
-  last_token = distributions.sample_categorical(keys[-1], last_probs)
+  last_token = sample(keys[-1], last_logits)
   tokens_sb = jnp.concatenate([tokens, last_token[None]], 0)
   logits_sbv = jnp.concatenate([logits_s, last_logits[None]], 0)
   hidden_sbd = jnp.concatenate([hidden_s, last_hidden[None]], 0)
