@@ -71,11 +71,13 @@ def test_transformers_reads_saved_folder(tmp_path, cfg):
 
 def test_single_file_from_hf_config_dict(tmp_path):
   params = init.init_params(LLAMA, jax.random.PRNGKey(3))
-  folder = save_hf_folder(to_hf_config(LLAMA), params, str(tmp_path / "m"))
+  flat = transformer.unstack_layers(params)  # saved in the stacked checkpoint layout
+  folder = save_hf_folder(to_hf_config(LLAMA), flat, str(tmp_path / "m"))
   assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
   loaded = load_model(folder, dtype=jnp.bfloat16)
   assert loaded.config == LLAMA
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(loaded.params))
+  _assert_same_params(loaded.params, transformer.cast_params(params, jnp.bfloat16))
 
 
 def _write_gguf(path, cfg, params, qtype=gguf.GGMLQuantizationType.F32, arch="llama"):

@@ -218,7 +218,7 @@ def save_hf_folder(config: ModelConfig | Mapping | LoadedModel, params, folder: 
 
   Args:
     config: a ModelConfig, a transformers config.json dict, or a LoadedModel.
-    params: our parameter tree (None with a LoadedModel: its own params).
+    params: our parameter tree, stacked or unstacked (None with a LoadedModel: its own).
   """
   from safetensors.numpy import save_file
 
@@ -233,7 +233,8 @@ def save_hf_folder(config: ModelConfig | Mapping | LoadedModel, params, folder: 
   os.makedirs(folder, exist_ok=True)
   with open(os.path.join(folder, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
-  tensors = hf_layout.params_to_hf(model_config, params)
+  from diversed_jax.models.transformer import stack_layers
+  tensors = hf_layout.params_to_hf(model_config, stack_layers(params))
   groups = _shards(tensors, max_shard_bytes)
   metadata = {"format": "pt"}  # lets transformers' PyTorch loader read the files too
   if len(groups) == 1:
