@@ -18,6 +18,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from diversed_jax.distill.architectures import DistilledDraft, frozen_params
 from diversed_jax.models.config import ModelConfig
@@ -28,26 +29,13 @@ KIND_PREFIX = "distill_"
 SHIPPED_DEFAULTS = {"smollm2-135m-instruct": "smollm2-135m-feature"}
 
 
-def _flatten(tree, prefix=""):
-  out = {}
-  for key, value in tree.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, dict):
-      out.update(_flatten(value, name + "/"))
-    else:
-      out[name] = value
-  return out
+def _flatten(tree):
+  return traverse_util.flatten_dict(tree, sep="/")
 
 
 def _unflatten(flat):
-  tree = {}
-  for name, value in flat.items():
-    node = tree
-    parts = name.split("/")
-    for part in parts[:-1]:
-      node = node.setdefault(part, {})
-    node[parts[-1]] = value
-  return tree
+  return traverse_util.unflatten_dict(dict(flat), sep="/")
+
 
 
 def save_draft(folder: str, draft: DistilledDraft, train_params, vocab_ids, target_name: str,

@@ -15,6 +15,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from diversed_jax.rl.head import EnsembleHead
 from diversed_jax.training.rollouts import head_weight_fn
@@ -22,26 +23,14 @@ from diversed_jax.training.rollouts import head_weight_fn
 FORMAT = "diversed_head/1"
 
 
-def _flatten(tree, prefix=""):
-  out = {}
-  for key, value in tree.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, dict):
-      out.update(_flatten(value, name + "/"))
-    else:
-      out[name] = np.asarray(value, np.float32)
-  return out
+def _flatten(tree):
+  return {k: np.asarray(v, np.float32)
+          for k, v in traverse_util.flatten_dict(tree, sep="/").items()}
 
 
 def _unflatten(flat):
-  tree = {}
-  for name, value in flat.items():
-    node = tree
-    *parents, leaf = name.split("/")
-    for part in parents:
-      node = node.setdefault(part, {})
-    node[leaf] = jnp.asarray(value)
-  return tree
+  return traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in flat.items()}, sep="/")
+
 
 
 def module_fields(module: EnsembleHead) -> dict:
