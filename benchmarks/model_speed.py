@@ -86,6 +86,31 @@ class JaxRunner:
     self.prefill(prompts_bt, slots)
     self.decode(prompts_bt, slots, 2)
 
+  def forward_ms(self, tokens: int, slots: int = 256, steps: int = 10) -> float:
+    """ms of one batch-1 forward over `tokens` new tokens with all their logits (what
+    verifying a draft of tokens - 1 costs), cache rolled back after each."""
+    jax, jnp = self.jax, self.jnp
+    from diversed_jax.models import transformer
+    config = self.config
+
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def verify(params, tokens_bt, cache):
+      logits, _, new_cache = transformer.forward(params, config, tokens_bt, cache)
+      return logits, new_cache.with_lengths(cache.lengths_b)
+
+    cache = self._cache(1, slots).with_lengths(jnp.full((1,), slots // 2, jnp.int32))
+    tokens_bt = jnp.ones((1, tokens), jnp.int32)
+    logits, cache = verify(self.params, tokens_bt, cache)
+    logits.block_until_ready()
+    best = np.inf
+    for _ in range(3):
+      start = time.perf_counter()
+      for _ in range(steps):
+        logits, cache = verify(self.params, tokens_bt, cache)
+      logits.block_until_ready()
+      best = min(best, (time.perf_counter() - start) / steps * 1e3)
+    return best
+
 
 class TorchRunner:
   """transformers' PyTorch model from the same GGUF file, float32, `generate`."""
@@ -128,6 +153,8 @@ def main(argv=None):
   parser.add_argument("--layouts", default="unstacked,stacked",
                       help="our parameter layouts to time (transformer.unstack_layers)")
   parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--verify", default="1,2,5,9",
+                      help="token counts of the batch-1 forward cost table ('' to skip)")
   parser.add_argument("--torch-threads", type=int, default=0,
                       help="torch.set_num_threads (0: torch's default, one per core); on a "
                       "busy machine 2 threads spin-wait on each other, 1 is fairer")
@@ -174,6 +201,14 @@ def main(argv=None):
       print(f"{name:<16}{batch:>6}{batch * args.prompt_len / prefill_s:>15.0f}"
             f"{results[name, batch]:>14.1f}{decode_s / args.new_tokens * 1e3:>9.1f}"
             f"{compile_s[name]:>11.1f}", flush=True)
+  if args.verify:
+    counts = [int(c) for c in args.verify.split(",")]
+    print(f"\nbatch-1 forward over T new tokens (all logits), ms and ratio to T={counts[0]}")
+    for name, runner in runners.items():
+      if name != "torch":
+        ms = [runner.forward_ms(c) for c in counts]
+        print(f"{name:<16}" + "".join(f"  T={c}: {m:.1f} ({m / ms[0]:.2f}x)"
+                                       for c, m in zip(counts, ms)), flush=True)
   if "torch" in runners:
     print()
     for (name, batch), rate in sorted(results.items()):
