@@ -112,6 +112,33 @@ class JaxRunner:
     return best
 
 
+class LoopRunner:
+  """The default decoding path: `SpeculativeDecoder` with method 'ar' (what
+  `python -m diversed_jax.generate --method=ar` runs), one compiled while_loop per call.
+  Decode time = time(1 + N new tokens) - time(1 new token), so prefill is not counted."""
+
+  def __init__(self, model):
+    from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
+    from diversed_jax.speculative.types import VerifyParams
+    self.decoder = SpeculativeDecoder(ModelHandle(model.config, model.params))
+    self.verify = VerifyParams(method="ar", temperature=0.0)
+
+  def _seconds(self, prompts_bt, new_tokens: int) -> float:
+    gen = self.decoder.generate(prompts_bt.tolist(), self.verify, max_new_tokens=new_tokens,
+                                eos_token_ids=())
+    return gen.seconds
+
+  def prefill(self, prompts_bt: np.ndarray, slots: int) -> float:
+    return self._seconds(prompts_bt, 1)
+
+  def decode(self, prompts_bt: np.ndarray, slots: int, new_tokens: int) -> float:
+    return self._seconds(prompts_bt, 1 + new_tokens) - self._seconds(prompts_bt, 1)
+
+  def warm_up(self, prompts_bt, slots):
+    self._seconds(prompts_bt, 1)
+    self._seconds(prompts_bt, 1 + self.new_tokens)
+
+
 class TorchRunner:
   """transformers' PyTorch model from the same GGUF file, float32, `generate`."""
 
@@ -153,6 +180,8 @@ def main(argv=None):
   parser.add_argument("--layouts", default="unstacked,stacked",
                       help="our parameter layouts to time (transformer.unstack_layers)")
   parser.add_argument("--no-torch", action="store_true")
+  parser.add_argument("--no-loop", action="store_true",
+                      help="skip the default path (SpeculativeDecoder, method 'ar')")
   parser.add_argument("--verify", default="1,2,5,9",
                       help="token counts of the batch-1 forward cost table ('' to skip)")
   parser.add_argument("--torch-threads", type=int, default=0,
@@ -173,6 +202,9 @@ def main(argv=None):
         f"{bandwidth * 1e9 / weight_bytes:.1f} tokens/s")
 
   runners = {f"jax-{layout}": JaxRunner(model, layout) for layout in args.layouts.split(",")}
+  if not args.no_loop:
+    runners["jax-loop-ar"] = LoopRunner(model)
+    runners["jax-loop-ar"].new_tokens = args.new_tokens
   if not args.no_torch:
     import torch
     if args.torch_threads:
@@ -205,7 +237,7 @@ def main(argv=None):
     counts = [int(c) for c in args.verify.split(",")]
     print(f"\nbatch-1 forward over T new tokens (all logits), ms and ratio to T={counts[0]}")
     for name, runner in runners.items():
-      if name != "torch":
+      if name.startswith("jax-") and name != "jax-loop-ar":
         ms = [runner.forward_ms(c) for c in counts]
         print(f"{name:<16}" + "".join(f"  T={c}: {m:.1f} ({m / ms[0]:.2f}x)"
                                        for c, m in zip(counts, ms)), flush=True)

@@ -14,10 +14,22 @@ cost ratio of one decoding step, r the verify/decode cost ratio (a target forwar
 tokens vs over 1 token) and draft_steps = K (K+1 for rules whose bonus needs q_{K+1}).
 Loop efficiency = measured / predicted says how much the loop itself (sampling,
 verification, bookkeeping) costs beyond the model calls; the goal is >= 0.9.
+
+The prediction models the rounds only, so the speed-ups it is compared with are those of
+the decoding phase: each call's time minus the prompt prefill (measured as the time of a
+one-token call minus one decoding step; the draft's prefill is taken as c times it). The
+end-to-end tokens/s and speed-up (prefill included) are printed too.
+
+In a batch, rows commit different numbers of tokens per round and the batch runs until its
+slowest row is done, so from batch 2 on the per-row tokens_per_round overstates what a batch
+round yields. `pred/batch` and `eff/batch` use instead the per-row tokens per BATCH round
+(tokens / (batch rounds x B)), relative to the same figure of autoregressive decoding (below
+1 when rows stop early on EOS): the loop's own overhead without the raggedness of the batch.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -27,7 +39,9 @@ from absl import app, flags
 
 from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.models import KVCache, loading, transformer
+from diversed_jax.models.kv_cache import bucket_length
 from diversed_jax.speculative import build, loop, metrics
+from diversed_jax.speculative.decoder import PROMPT_BUCKETS
 from diversed_jax.speculative.types import VerifyParams
 from diversed_jax.tasks.registry import get_task
 
@@ -38,33 +52,64 @@ _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "K.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per row.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "GSM8K-test prompts per batch size.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Interleaved timing repeats (best kept).")
 _METHODS = flags.DEFINE_list("methods", ["sd", "lossy", "static", "diversed", "cascade",
                                          "mentored", "typical"], "Methods besides ar.")
 
 
-def _time(fn, repeats=5):
-  jax.block_until_ready(fn())  # compile and warm up
-  start = time.perf_counter()
-  for _ in range(repeats):
-    jax.block_until_ready(fn())
-  return (time.perf_counter() - start) / repeats
-
-
-def step_costs(target, draft, draft_params, batch, k, cache_len):
-  """Seconds of: a target decode step, a target verify step over K+1 tokens, a draft step."""
+def step_costs(decoder, batch, k, cache_len, repeats=5):
+  """Seconds of: a target decode step, a target verify step over K+1 tokens, a draft step,
+  each in the parameter layout the decoder uses for it, best of `repeats`. As in the loop,
+  the caches are updated in place (donated) and rolled back to half full after each step:
+  without donation every call would also copy the whole cache."""
+  target, draft = decoder.target, decoder.draft
   dtype = target.params["embed"].dtype
-  t_cache = KVCache.create(target.config, batch, cache_len, dtype).with_lengths(
-      jnp.full((batch,), cache_len // 2, jnp.int32))
-  d_cache = draft.init_cache(batch, cache_len, dtype).with_lengths(
-      jnp.full((batch,), cache_len // 2, jnp.int32))
-  fwd = jax.jit(transformer.forward, static_argnames="config")
-  draft_fwd = jax.jit(draft.forward)
+  half = lambda: jnp.full((batch,), cache_len // 2, jnp.int32)  # fresh: caches are donated
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def target_step(params, cache, tokens_bt):
+    logits, _, cache = transformer.forward(params, target.config, tokens_bt, cache)
+    return logits, cache.with_lengths(half())
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def draft_step(params, cache, tokens_bt):
+    logits, _, cache = draft.forward(params, tokens_bt, cache, None)
+    return logits, cache.with_lengths(half())
+
+  def timed(step, params, cache, tokens_bt):
+    logits, cache = step(params, cache, tokens_bt)  # compile and warm up
+    logits.block_until_ready()
+    best = np.inf
+    for _ in range(repeats):
+      start = time.perf_counter()
+      logits, cache = step(params, cache, tokens_bt)
+      logits.block_until_ready()
+      best = min(best, time.perf_counter() - start)
+    return best
+
+  def target_cache():
+    return KVCache.create(target.config, batch, cache_len, dtype).with_lengths(half())
+
   one = jnp.ones((batch, 1), jnp.int32)
   many = jnp.ones((batch, k + 1), jnp.int32)
-  decode = _time(lambda: fwd(target.params, target.config, one, t_cache)[0])
-  verify = _time(lambda: fwd(target.params, target.config, many, t_cache)[0])
-  draft_step = _time(lambda: draft_fwd(draft_params, one, d_cache, None)[0])
-  return decode, verify, draft_step
+  decode = timed(target_step, decoder.target_params(0), target_cache(), one)
+  verify = timed(target_step, decoder.target_params(k), target_cache(), many)
+  draft_cache = draft.init_cache(batch, cache_len, dtype).with_lengths(half())
+  draft_s = timed(draft_step, decoder.draft_params, draft_cache, one)
+  return decode, verify, draft_s
+
+
+def run_method(decoder, batches, verify, k):
+  """(tokens, seconds, batch rounds, summaries) over all batches; compile time excluded."""
+  tokens = seconds = batch_rounds = 0
+  summaries = []
+  for chunk in batches:
+    out = decoder.generate(chunk, verify, num_draft=k, max_new_tokens=_MAX_NEW.value)
+    tokens += out.num_tokens
+    seconds += out.seconds
+    batch_rounds += out.rounds
+    summaries.append(metrics.summarize(out.stats, out.num_tokens, verify.method != "ar"))
+  return tokens, seconds, batch_rounds, summaries
 
 
 def main(argv):
@@ -77,40 +122,63 @@ def main(argv):
                        max(1, _NUM_PROMPTS.value // min(int(b) for b in _BATCH_SIZES.value)))
   prompts = [tokenizer_lib.encode_prompt(tokenizer, task.prompt(e), chat=True) for e in examples]
   k = _NUM_DRAFT.value
+  methods = ["ar"] + list(_METHODS.value)
   print(f"target={info['target']} draft={info['draft']} K={k} T={_TEMPERATURE.value} "
-        f"max_new_tokens={_MAX_NEW.value}")
+        f"max_new_tokens={_MAX_NEW.value}, best of {_REPEATS.value} interleaved repeats")
   for batch in (int(b) for b in _BATCH_SIZES.value):
     batches = [prompts[i:i + batch] for i in range(0, max(_NUM_PROMPTS.value, batch), batch)]
     batches = [b for b in batches if len(b) == batch]
-    cache_len = 512
-    decode_s, verify_s, draft_s = step_costs(target, decoder.draft, decoder.draft_params,
-                                             batch, k, cache_len)
+    width = max(len(p) for p in prompts)
+    cache_len = bucket_length(bucket_length(width, PROMPT_BUCKETS) + _MAX_NEW.value + k + 2)
+    verify_params = {m: VerifyParams(method=m, temperature=_TEMPERATURE.value) for m in methods}
+    one_token = VerifyParams(method="ar", temperature=_TEMPERATURE.value)
+    for m in methods:  # compile every program before timing anything
+      decoder.generate(batches[0], verify_params[m], num_draft=k, max_new_tokens=_MAX_NEW.value)
+    decoder.generate(batches[0], one_token, max_new_tokens=1)
+    # Timings interleave methods and step costs over the repeats (the machine's speed
+    # drifts); each keeps its best repeat.
+    best_s = {m: np.inf for m in methods}
+    runs, costs, first_token_s = {}, [], np.inf
+    for _ in range(_REPEATS.value):
+      costs.append(step_costs(decoder, batch, k, cache_len))
+      first_token_s = min(first_token_s, sum(
+          decoder.generate(chunk, one_token, max_new_tokens=1).seconds for chunk in batches))
+      for m in methods:
+        runs[m] = run_method(decoder, batches, verify_params[m], k)
+        best_s[m] = min(best_s[m], runs[m][1])
+    decode_s, verify_s, draft_s = np.min(np.asarray(costs), axis=0)
     c, r = draft_s / decode_s, verify_s / decode_s
+    # The prompt's prefill is a fixed cost outside the rounds that the prediction models:
+    # the decoding phase = a call's time minus the prefill (the target's: the time of a
+    # one-token call minus one step; the draft's: c times it).
+    prefill_s = max(first_token_s - len(batches) * decode_s, 0.0)
     print(f"\nbatch {batch}: target step {decode_s * 1e3:.1f} ms, verify/decode r={r:.2f}, "
-          f"draft/target c={c:.3f}")
-    print(f"{'method':10s} {'tok/s':>8s} {'speedup':>8s} {'predicted':>9s} {'efficiency':>10s} "
-          f"{'accept':>7s} {'tok/round':>9s}")
-    ar_rate = None
-    for method in ["ar"] + list(_METHODS.value):
-      verify = VerifyParams(method=method, temperature=_TEMPERATURE.value)
-      tokens = seconds = 0
-      summaries = []
-      for chunk in batches:  # compile time is excluded from out.seconds
-        out = decoder.generate(chunk, verify, num_draft=k, max_new_tokens=_MAX_NEW.value)
-        tokens += out.num_tokens
-        seconds += out.seconds
-        summaries.append(metrics.summarize(out.stats, out.num_tokens, method != "ar"))
-      rate = tokens / seconds
+          f"draft/target c={c:.3f}, cache {cache_len} slots, prefill "
+          f"{prefill_s / len(batches) * 1e3:.0f} ms per call")
+    print(f"{'method':10s} {'tok/s':>7s} {'speedup':>7s} {'| decoding phase:':>17s} "
+          f"{'tok/s':>6s} {'speedup':>7s} {'predicted':>9s} {'efficiency':>10s} "
+          f"{'pred/batch':>10s} {'eff/batch':>9s} {'accept':>7s} {'tok/round':>9s}")
+    ar_rate = ar_phase_rate = ar_tpr_batch = None
+    for m in methods:
+      tokens, _, batch_rounds, summaries = runs[m]
+      rate = tokens / best_s[m]
+      phase_rate = tokens / (best_s[m] - prefill_s * (1.0 if m == "ar" else 1.0 + c))
       tpr = tokens / sum(s["rounds"] for s in summaries)  # per row and round
-      if method == "ar":
-        ar_rate = rate
-        print(f"{method:10s} {rate:8.1f} {1.0:8.2f}")
+      # A batch runs until its slowest row is done: per-row tokens per BATCH round.
+      tpr_batch = tokens / (batch_rounds * batch)
+      if m == "ar":
+        ar_rate, ar_phase_rate, ar_tpr_batch = rate, phase_rate, tpr_batch
+        print(f"{m:10s} {rate:7.1f} {1.0:7.2f} {'':17s} {phase_rate:6.1f} {1.0:7.2f}")
         continue
-      steps = loop.LoopSpec(verify, k).num_draft_steps
+      steps = loop.LoopSpec(verify_params[m], k).num_draft_steps
       predicted = tpr / (steps * c + r)
+      predicted_batch = tpr_batch / ar_tpr_batch / (steps * c + r)
       accept = np.mean([s["acceptance_rate"] for s in summaries])
-      print(f"{method:10s} {rate:8.1f} {rate / ar_rate:8.2f} {predicted:9.2f} "
-            f"{rate / ar_rate / predicted:10.2f} {accept:7.3f} {tpr:9.2f}")
+      speedup = phase_rate / ar_phase_rate
+      print(f"{m:10s} {rate:7.1f} {rate / ar_rate:7.2f} {'':17s} {phase_rate:6.1f} "
+            f"{speedup:7.2f} {predicted:9.2f} {speedup / predicted:10.2f} "
+            f"{predicted_batch:10.2f} {speedup / predicted_batch:9.2f} {accept:7.3f} "
+            f"{tpr:9.2f}", flush=True)
 
 
 if __name__ == "__main__":

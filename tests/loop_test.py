@@ -66,6 +66,23 @@ def test_greedy_speculative_equals_greedy_autoregressive(pair, num_draft, method
   assert ar.token_ids == expected
 
 
+def test_unstacked_decoding_layout_gives_the_same_results(pair):
+  target, draft, draft_params = pair
+  fast = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  plain = decoder_lib.SpeculativeDecoder(target, draft, draft_params, unstack=False)
+  # The fast layout: unrolled draft and AR target; the verifying target stays stacked.
+  assert isinstance(fast.draft_params["layers"], tuple)
+  assert isinstance(fast.target_params(0)["layers"], tuple)
+  assert isinstance(fast.target_params(3)["layers"], dict)
+  assert isinstance(plain.target_params(0)["layers"], dict)
+  for method, k in (("sd", 3), ("ar", 0)):
+    vp = VerifyParams(method=method, temperature=1.0)
+    a, b = (d.generate(PROMPTS, vp, num_draft=k, max_new_tokens=12, seed=3, eos_token_ids=())
+            for d in (fast, plain))
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(a.stats.accept_prob_rbk, b.stats.accept_prob_rbk, atol=1e-5)
+
+
 def test_draft_equal_to_target_accepts_everything(pair):
   target, _, _ = pair
   dec = decoder_lib.SpeculativeDecoder(target, drafts.LMDraft(target.config), target.params)

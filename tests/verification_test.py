@@ -313,6 +313,20 @@ def test_hand_computed_example():
   assert mask.tolist() == [[True, False]] and n_b.tolist() == [1]
 
 
+def test_mentored_newton_solver_on_a_full_size_vocabulary():
+  # Tens of thousands of breakpoints: the Newton iteration must still land on c*.
+  rng = np.random.default_rng(7)
+  q = np_scaled(rng.normal(size=(3, 32768)) * 3, 1.0)
+  p = np_scaled(rng.normal(size=(3, 32768)) * 3, 1.0)
+  for eps in (0.02, 0.3):
+    c, a = verification.mentored_accept(jnp.asarray(q, jnp.float32),
+                                        jnp.asarray(p, jnp.float32), eps)
+    for r in range(3):
+      np.testing.assert_allclose(float(c[r]), np_mentored_c(q[r], p[r], eps), rtol=1e-4)
+      accept = float((q[r] * np.asarray(a[r], np.float64)).sum())
+      assert abs(accept - min(1.0, 1.0 - tv(p[r], q[r]) + eps)) < 1e-4
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_mentored_scale_matches_bisection(seed):
   rng = np.random.default_rng(seed)

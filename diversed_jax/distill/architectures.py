@@ -44,30 +44,6 @@ KINDS = ("independent", "feature")
 NEG_INF = -1e30
 
 
-def run_layers(layers, config: ModelConfig, x_btd, cache: KVCache):
-  """The stacked decoder layers of `transformer.forward_hidden` on input vectors.
-
-  Returns (x_btd before the final norm, cache advanced by T).
-  """
-  t = x_btd.shape[1]
-  positions_bt = cache.lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  inv_freq_l, sliding_l = transformer._layer_constants(config)  # pylint: disable=protected-access
-
-  def layer(x, xs):
-    lp, k_cache, v_cache, inv_freq, sliding = xs
-    h = transformer.rms_norm(x, lp["attn_norm"], config.norm_eps, False)
-    attn, k_cache, v_cache = transformer._attention(  # pylint: disable=protected-access
-        config, lp, h, positions_bt, k_cache, v_cache, inv_freq, sliding)
-    x = x + attn
-    h = transformer.rms_norm(x, lp["mlp_norm"], config.norm_eps, False)
-    x = x + (jax.nn.silu(h @ lp["gate"]) * (h @ lp["up"])) @ lp["down"]
-    return x, (k_cache, v_cache)
-
-  x, (k_new, v_new) = jax.lax.scan(
-      layer, x_btd, (layers, cache.k_lbshd, cache.v_lbshd, inv_freq_l, sliding_l))
-  return x, KVCache(k_new, v_new, cache.lengths_b + t)
-
-
 def head_logits(params, hidden_btd, draft_hidden: int, target_hidden: int,
                 vocab_size: int, full_vocab: bool = True):
   """Truncated-vocabulary logits.
@@ -147,11 +123,15 @@ class DistilledDraft:
                          self.vocab_size, full_vocab)
     return logits, hidden
 
+  def inference_params(self, params):
+    """The decoding layout of `params` (see `transformer.unstack_layers`)."""
+    return {**params, "train": transformer.unstack_layers(params["train"])}
+
   def forward(self, params, tokens_bt, cache, target_hidden_btd=None):
     """(logits_btv float32, hidden_btd, cache); see drafts.py for target_hidden_btd."""
     if self.kind == "independent":
       x = self._inputs(params, tokens_bt, None)
-      x, cache = run_layers(params["train"]["layers"], self.config, x, cache)
+      x, cache = transformer.decoder_layers(params["train"]["layers"], self.config, x, cache)
       logits, hidden = self._outputs(params, x)
       return logits, hidden, cache
     if target_hidden_btd is None:
@@ -161,7 +141,7 @@ class DistilledDraft:
     else:
       features = target_hidden_btd
     x = self._inputs(params, tokens_bt, features.astype(cache.feature_bd.dtype))
-    x, kv = run_layers(params["train"]["layers"], self.config, x, cache.kv)
+    x, kv = transformer.decoder_layers(params["train"]["layers"], self.config, x, cache.kv)
     logits, hidden = self._outputs(params, x)
     return logits, hidden, FeatureCache(kv, hidden[:, -1].astype(cache.feature_bd.dtype))
 
@@ -179,7 +159,7 @@ class DistilledDraft:
     if self.kind == "independent":
       x = self._inputs(params, tokens_bt, None)
       cache = KVCache.create(self.config, b, t, x.dtype)
-      x, _ = run_layers(params["train"]["layers"], self.config, x, cache)
+      x, _ = transformer.decoder_layers(params["train"]["layers"], self.config, x, cache)
       logits, hidden = self._outputs(params, x, full_vocab=False)
       return logits[None], hidden[None]
     logits_j, hidden_j = [], []
@@ -207,7 +187,7 @@ def _unrolled_layers(layers, config: ModelConfig, x_btd, prev_kv):
   h_, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
   j = len(prev_kv)  # 0-based pass index
   positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  inv_freq_l, _ = transformer._layer_constants(config)  # pylint: disable=protected-access
+  inv_freq_l, _ = transformer.layer_constants(config)
   tpos = jnp.arange(t)
   # Pass 0 keys: causal up to t - j. Pass i >= 1 keys: exactly position t - j + i.
   masks = [tpos[None, :] <= tpos[:, None] - j]

@@ -62,7 +62,7 @@ def _activation(config: ModelConfig, x):
   return jax.nn.gelu(x, approximate=True)
 
 
-def _layer_constants(config: ModelConfig):
+def layer_constants(config: ModelConfig):
   """Per-layer arrays the scan consumes: rotary frequencies [L, Dh/2], local flag [L]."""
   sliding = np.asarray(config.layer_is_sliding, bool)
   freqs = np.stack([rope_frequencies(config, local=bool(s)) for s in sliding])
@@ -148,18 +148,6 @@ def _attend(config, q_bthd, k_cache_bshd, v_cache_bshd, positions_bt, sliding):
   return jnp.einsum("bkgts,bskd->btkgd", p, v_cache_bshd).reshape(b, t, h * dh)
 
 
-def _attention(config, lp, x_btd, positions_bt, k_cache_bshd, v_cache_bshd, inv_freq, sliding):
-  """One attention block over one layer's cache [B, S, Hkv, Dh]; returns (output [B, T, D],
-  updated k and v caches of this layer). `forward_hidden` uses the stacked-cache form."""
-  q, k, v = _project_qkv(config, lp, x_btd, positions_bt, inv_freq)
-  # Per-row write at each row's own offset: one scatter for the whole batch.
-  rows_b1 = jnp.arange(x_btd.shape[0])[:, None]
-  k_cache_bshd = k_cache_bshd.at[rows_b1, positions_bt].set(k.astype(k_cache_bshd.dtype))
-  v_cache_bshd = v_cache_bshd.at[rows_b1, positions_bt].set(v.astype(v_cache_bshd.dtype))
-  out = _attend(config, q, k_cache_bshd, v_cache_bshd, positions_bt, sliding)
-  return out @ lp["o"], k_cache_bshd, v_cache_bshd
-
-
 def _write_layer(cache_lbshd, layer, positions_bt, new_bthd):
   """Writes new keys or values of `layer` at each row's own offset, in place: the stacked
   cache is a loop carry, so XLA updates it without copying (slicing it out per layer and
@@ -207,26 +195,38 @@ def forward_hidden(params: Params, config: ModelConfig, tokens_bt: jax.Array,
   b, t = tokens_bt.shape
   if cache is None:
     cache = KVCache.create(config, b, t, params["embed"].dtype)
-  positions_bt = cache.lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   x = params["embed"][tokens_bt]
   if config.embed_scale:
     x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
-  inv_freq_l, sliding_l = _layer_constants(config)
+  x, cache = decoder_layers(params["layers"], config, x, cache)
+  return rms_norm(x, params["final_norm"], config.norm_eps, config.norm_offset), cache
+
+
+def decoder_layers(layers, config: ModelConfig, x_btd: jax.Array,
+                   cache: KVCache) -> tuple[jax.Array, KVCache]:
+  """The decoder layers (stacked leaves run by `lax.scan`, or an unstacked tuple run
+  unrolled) on input vectors [B, T, D] at positions cache.lengths_b + [0, T).
+
+  Returns (x_btd before the final norm, cache advanced by T). Drafts that build their own
+  inputs (feature drafts) call this directly.
+  """
+  t = x_btd.shape[1]
+  positions_bt = cache.lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  inv_freq_l, sliding_l = layer_constants(config)
 
   def layer(carry, xs):
     lp, inv_freq, sliding, index = xs
     return _layer(config, lp, carry, positions_bt, inv_freq, sliding, index), None
 
-  carry = (x, cache.k_lbshd, cache.v_lbshd)
-  if isinstance(params["layers"], (tuple, list)):  # unstacked: see `unstack_layers`
-    for i, lp in enumerate(params["layers"]):
+  carry = (x_btd, cache.k_lbshd, cache.v_lbshd)
+  if isinstance(layers, (tuple, list)):  # unstacked: see `unstack_layers`
+    for i, lp in enumerate(layers):
       carry, _ = layer(carry, (lp, inv_freq_l[i], sliding_l[i], i))
   else:
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    carry, _ = jax.lax.scan(layer, carry, (params["layers"], inv_freq_l, sliding_l, layer_ids))
+    carry, _ = jax.lax.scan(layer, carry, (layers, inv_freq_l, sliding_l, layer_ids))
   x, k_new, v_new = carry
-  hidden = rms_norm(x, params["final_norm"], config.norm_eps, config.norm_offset)
-  return hidden, KVCache(k_new, v_new, cache.lengths_b + t)
+  return x, KVCache(k_new, v_new, cache.lengths_b + t)
 
 
 def logits_from_hidden(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diversed_jax.models import transformer
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
 from diversed_jax.parallel import mesh as mesh_lib
@@ -62,16 +63,36 @@ class SpeculativeDecoder:
   """A target, an optional draft (object, params) and an optional head (weight_fn, params)."""
 
   def __init__(self, target: ModelHandle, draft=None, draft_params=None, weight_fn=None,
-               head_params=None, mesh=None):
+               head_params=None, mesh=None, unstack: bool = True):
     """`mesh`: an optional jax.sharding.Mesh; rows are then split over its 'data' axis
-    (the batch must divide by its size) and parameters replicated."""
+    (the batch must divide by its size) and parameters replicated.
+
+    `unstack`: run one-token steps with unrolled per-layer weights
+    (`transformer.unstack_layers`): the draft always, the target for autoregressive
+    decoding (a second copy of the target's weights, made on first use). On CPU this makes
+    one-token steps 1.4-1.6x faster (XLA copies stacked weights out of the scan every
+    step); the target's (K+1)-token verification is as fast or faster stacked, and
+    compiles in half the time. False keeps the caller's layout everywhere.
+    """
     self.mesh = mesh
+    self.unstack = unstack
+    if unstack and draft is not None and hasattr(draft, "inference_params"):
+      draft_params = draft.inference_params(draft_params)
     self.target = target
     self.draft = draft
     self.draft_params = draft_params
     self.weight_fn = weight_fn
     self.head_params = head_params
     self._executables: dict = {}  # compiled programs, one per (spec, prompt bucket)
+    self._unstacked_target = None
+
+  def target_params(self, num_draft: int):
+    """The target's parameters in the layout used for K = num_draft."""
+    if num_draft > 0 or not self.unstack:
+      return self.target.params
+    if self._unstacked_target is None:
+      self._unstacked_target = transformer.unstack_layers(self.target.params)
+    return self._unstacked_target
 
   def _spec(self, verify: VerifyParams, num_draft: int, max_new_tokens: int,
             eos_token_ids) -> loop.LoopSpec:
@@ -90,7 +111,7 @@ class SpeculativeDecoder:
     tokens, lengths = pad_prompts(prompts, pad_id)
     cache_len = bucket_length(tokens.shape[1] + max_new_tokens + spec.num_draft + 2)
     uses_draft = spec.num_draft > 0
-    args = (self.target.params, self.draft_params if uses_draft else None,
+    args = (self.target_params(spec.num_draft), self.draft_params if uses_draft else None,
             self.head_params if verify.method == "diversed" else None,
             jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed))
     if self.mesh is not None:

@@ -4,6 +4,7 @@ A draft is a frozen (hashable, jit-static) object with
 
   init_cache(batch, max_len, dtype) -> cache pytree
   forward(params, tokens_bt, cache, target_hidden_btd) -> (logits_btv, hidden_btd, cache)
+  inference_params(params) -> params in the layout fastest for decoding (optional)
 
 `target_hidden_btd[:, t]` is the target's last hidden state at the position just before
 `tokens_bt[:, t]` (the state that predicted that token; zeros where unknown), or None when
@@ -32,6 +33,9 @@ class LMDraft:
 
   def init_cache(self, batch: int, max_len: int, dtype) -> KVCache:
     return KVCache.create(self.config, batch, max_len, dtype)
+
+  def inference_params(self, params):
+    return transformer.unstack_layers(params)
 
   def forward(self, params, tokens_bt, cache, target_hidden_btd=None):
     del target_hidden_btd  # An independent draft does not read target features.
