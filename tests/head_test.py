@@ -83,3 +83,27 @@ def test_bad_config_raises():
     init_head(EnsembleHead("transformer"), jax.random.key(0), DQ, DP)
   with pytest.raises(ValueError, match="init_weight"):
     init_head(EnsembleHead(init_weight=1.0), jax.random.key(0), DQ, DP)
+
+
+def test_shipped_head_is_dropped_when_its_draft_folder_changes(tmp_path):
+  from diversed_jax.digest import folder_digest
+  from diversed_jax.training import artifacts, head_io
+  draft = tmp_path / "draft"
+  draft.mkdir()
+  np.savez(draft / "params.npz", w=np.zeros(3))
+  module = EnsembleHead(init_weight=0.5)
+  params = init_head(module, jax.random.key(0), DQ, DP)
+  assets = tmp_path / "assets"
+  head_io.save_head(str(assets / "h"), module, params, DQ, DP, target="t",
+                    draft_spec=str(draft), draft_digest=folder_digest(draft), task="gsm8k")
+  assert artifacts.shipped_heads(str(assets)) == {("t", str(draft), "gsm8k"):
+                                                  str(assets / "h")}
+  np.savez(draft / "params.npz", w=np.ones(3))  # the draft re-exported in place
+  assert artifacts.shipped_heads(str(assets)) == {}
+
+
+def test_shipped_heads_match_the_shipped_drafts():
+  from diversed_jax.training import artifacts
+  heads = artifacts.shipped_heads()
+  assert {task for (_, _, task) in heads} >= {"gsm8k", "cnndm"}
+  assert any(draft.endswith("smollm2-135m-feature") for (_, draft, _) in heads)

@@ -4,7 +4,6 @@ the target, its tokenizer and one decoder per draft (with the resolved head)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from typing import Any
 
@@ -80,19 +79,6 @@ class Models:
     self.decoders["diversed"] = SpeculativeDecoder(base.target, base.draft, base.draft_params,
                                                    weight_fn, params)
     self.info["head"] = folder
-
-
-def folder_digest(spec) -> str | None:
-  """Hash of a head or draft folder's params.npz (None for anything else), so results of a
-  folder retrained in place are never reused."""
-  path = os.path.join(str(spec), "params.npz")
-  if not os.path.isfile(path):
-    return None
-  digest = hashlib.sha1()
-  with open(path, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()[:12]
 
 
 def resolve_head(config, workdir: str | None) -> str | None:

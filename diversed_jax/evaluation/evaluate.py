@@ -20,6 +20,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from diversed_jax.digest import folder_digest
 from diversed_jax.evaluation import context as context_lib
 from diversed_jax.evaluation import methods as methods_lib
 from diversed_jax.evaluation.results import ResultStore, fingerprint
@@ -41,7 +42,7 @@ def setting_fingerprint(config, setting, models) -> str:
   draft = (None if setting.family == "ar" else
            models.info.get("finetuned_draft" if setting.draft == "finetuned" else "draft"))
   head = models.info.get("head") if setting.family == "diversed" else None
-  digests = (context_lib.folder_digest(draft), context_lib.folder_digest(head))
+  digests = (folder_digest(draft), folder_digest(head))
   task = config.task
   return fingerprint(setting.name, dataclasses.asdict(setting.verify), draft, head, digests,
                      config.model.target, config.model.tokenizer, config.model.chat,

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import os
 
+from absl import logging
+
+from diversed_jax.digest import folder_digest
 from diversed_jax.training.head_io import FORMAT, load_head_folder
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,22 +37,34 @@ def resolved_draft_spec(spec: str) -> str:
   return spec
 
 
-def shipped_heads() -> dict[tuple[str, str, str], str]:
-  """(target, draft spec, task) -> head folder, for every valid folder under ASSETS."""
+def shipped_heads(assets: str | None = None) -> dict[tuple[str, str, str], str]:
+  """(target, draft spec, task) -> head folder, for every valid folder under `assets`
+  (default: the package's ASSETS).
+
+  A head records the digest of the draft folder it was trained with; one whose draft has
+  since been rewritten in place (a re-exported draft) is skipped with a warning: its
+  weights were learned for the old draft's hidden states.
+  """
+  assets = ASSETS if assets is None else assets
   out = {}
-  if not os.path.isdir(ASSETS):
+  if not os.path.isdir(assets):
     return out
-  for name in sorted(os.listdir(ASSETS)):
-    path = os.path.join(ASSETS, name, "head.json")
+  for name in sorted(os.listdir(assets)):
+    path = os.path.join(assets, name, "head.json")
     if not os.path.isfile(path):
       continue
     with open(path) as f:
       meta = json.load(f)
     if meta.get("format") != FORMAT or not meta.get("target"):
       continue
-    key = (meta["target"], resolved_draft_spec(meta.get("draft_spec", "")),
-           meta.get("task", ""))
-    out.setdefault(key, os.path.join(ASSETS, name))
+    draft = resolved_draft_spec(meta.get("draft_spec", ""))
+    recorded = meta.get("draft_digest")
+    if recorded is not None and recorded != folder_digest(draft):
+      logging.warning("head %s was trained for another version of draft %s (digest %s, now "
+                      "%s): not used as a default; retrain it", name, draft, recorded,
+                      folder_digest(draft))
+      continue
+    out.setdefault((meta["target"], draft, meta.get("task", "")), os.path.join(assets, name))
   return out
 
 

@@ -237,9 +237,10 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
   if not last:  # resumed a finished run: the last logged metrics
     last = {k: v for k, v in _last_logged(workdir).items() if k != "step"}
   from diversed_jax.training.artifacts import portable_draft_spec
+  from diversed_jax.digest import folder_digest
   return head_io.save_head(
       os.path.join(workdir, "head"), module, params, dq, dp,
       target=getattr(target, "name", ""), draft_spec=portable_draft_spec(draft_spec),
-      task=task.name,
+      draft_digest=folder_digest(draft_spec), task=task.name,
       steps=step, train=train_cfg.to_dict(),
       final={k: v for k, v in last.items() if k not in TIMING_KEYS and math.isfinite(v)})
