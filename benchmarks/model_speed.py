@@ -117,11 +117,12 @@ class LoopRunner:
   `python -m diversed_jax.generate --method=ar` runs), one compiled while_loop per call.
   Decode time = time(1 + N new tokens) - time(1 new token), so prefill is not counted."""
 
-  def __init__(self, model):
+  def __init__(self, model, new_tokens: int):
     from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
     from diversed_jax.speculative.types import VerifyParams
     self.decoder = SpeculativeDecoder(ModelHandle(model.config, model.params))
     self.verify = VerifyParams(method="ar", temperature=0.0)
+    self.new_tokens = new_tokens  # the decode length to compile in warm_up
 
   def _seconds(self, prompts_bt, new_tokens: int) -> float:
     gen = self.decoder.generate(prompts_bt.tolist(), self.verify, max_new_tokens=new_tokens,
@@ -203,8 +204,7 @@ def main(argv=None):
 
   runners = {f"jax-{layout}": JaxRunner(model, layout) for layout in args.layouts.split(",")}
   if not args.no_loop:
-    runners["jax-loop-ar"] = LoopRunner(model)
-    runners["jax-loop-ar"].new_tokens = args.new_tokens
+    runners["jax-loop-ar"] = LoopRunner(model, args.new_tokens)
   if not args.no_torch:
     import torch
     if args.torch_threads:

@@ -57,27 +57,30 @@ _METHODS = flags.DEFINE_list("methods", ["sd", "lossy", "static", "diversed", "c
                                          "mentored", "typical"], "Methods besides ar.")
 
 
+@functools.partial(jax.jit, static_argnames="config", donate_argnums=(1,))
+def _target_step(params, cache, tokens_bt, *, config):
+  """One target forward, cache updated in place and rolled back (as the loop does)."""
+  logits, _, new_cache = transformer.forward(params, config, tokens_bt, cache)
+  return logits, new_cache.with_lengths(cache.lengths_b)
+
+
+@functools.partial(jax.jit, static_argnames="draft", donate_argnums=(1,))
+def _draft_step(params, cache, tokens_bt, *, draft):
+  logits, _, new_cache = draft.forward(params, tokens_bt, cache, None)
+  return logits, new_cache.with_lengths(cache.lengths_b)
+
+
 def step_costs(decoder, batch, k, cache_len, repeats=5):
   """Seconds of: a target decode step, a target verify step over K+1 tokens, a draft step,
-  each in the parameter layout the decoder uses for it, best of `repeats`. As in the loop,
-  the caches are updated in place (donated) and rolled back to half full after each step:
-  without donation every call would also copy the whole cache."""
+  each in the parameter layout the decoder uses for it, best of `repeats`, cache half full.
+  As in the loop the caches are donated (updated in place): without donation every call
+  would also copy the whole cache."""
   target, draft = decoder.target, decoder.draft
   dtype = target.params["embed"].dtype
   half = lambda: jnp.full((batch,), cache_len // 2, jnp.int32)  # fresh: caches are donated
 
-  @functools.partial(jax.jit, donate_argnums=(1,))
-  def target_step(params, cache, tokens_bt):
-    logits, _, cache = transformer.forward(params, target.config, tokens_bt, cache)
-    return logits, cache.with_lengths(half())
-
-  @functools.partial(jax.jit, donate_argnums=(1,))
-  def draft_step(params, cache, tokens_bt):
-    logits, _, cache = draft.forward(params, tokens_bt, cache, None)
-    return logits, cache.with_lengths(half())
-
   def timed(step, params, cache, tokens_bt):
-    logits, cache = step(params, cache, tokens_bt)  # compile and warm up
+    logits, cache = step(params, cache, tokens_bt)  # compile (first call only) and warm up
     logits.block_until_ready()
     best = np.inf
     for _ in range(repeats):
@@ -87,15 +90,15 @@ def step_costs(decoder, batch, k, cache_len, repeats=5):
       best = min(best, time.perf_counter() - start)
     return best
 
-  def target_cache():
-    return KVCache.create(target.config, batch, cache_len, dtype).with_lengths(half())
-
+  target_step = functools.partial(_target_step, config=target.config)
+  new_cache = lambda: KVCache.create(target.config, batch, cache_len, dtype).with_lengths(half())
   one = jnp.ones((batch, 1), jnp.int32)
   many = jnp.ones((batch, k + 1), jnp.int32)
-  decode = timed(target_step, decoder.target_params(0), target_cache(), one)
-  verify = timed(target_step, decoder.target_params(k), target_cache(), many)
+  decode = timed(target_step, decoder.target_params(0), new_cache(), one)
+  verify = timed(target_step, decoder.target_params(k), new_cache(), many)
   draft_cache = draft.init_cache(batch, cache_len, dtype).with_lengths(half())
-  draft_s = timed(draft_step, decoder.draft_params, draft_cache, one)
+  draft_s = timed(functools.partial(_draft_step, draft=draft), decoder.draft_params,
+                  draft_cache, one)
   return decode, verify, draft_s
 
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diversed_jax.models import hf_layout, registry
+from diversed_jax.models import hf_layout, registry, transformer
 from diversed_jax.models.config import ModelConfig, from_hf_config
 
 SINGLE_FILE = "model.safetensors"
@@ -233,8 +233,7 @@ def save_hf_folder(config: ModelConfig | Mapping | LoadedModel, params, folder: 
   os.makedirs(folder, exist_ok=True)
   with open(os.path.join(folder, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
-  from diversed_jax.models.transformer import stack_layers
-  tensors = hf_layout.params_to_hf(model_config, stack_layers(params))
+  tensors = hf_layout.params_to_hf(model_config, transformer.stack_layers(params))
   groups = _shards(tensors, max_shard_bytes)
   metadata = {"format": "pt"}  # lets transformers' PyTorch loader read the files too
   if len(groups) == 1:

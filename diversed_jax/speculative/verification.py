@@ -264,18 +264,17 @@ def _mentored_row(q_v, p_v, epsilon):
             jnp.sum(jnp.where(rising, p_f, 0.0)))
 
   def not_done(state):
-    c, prev_c, value, step = state
+    c, prev_c, value, _, step = state
     return (~spent) & (value < epsilon) & (c > prev_c) & (step < _MENTORED_MAX_STEPS)
 
-  def newton(state):
-    c, _, _, step = state
-    value, slope = eps_and_slope(c)
+  def newton(state):  # one O(V) pass per step: the new point's value and slope
+    c, _, value, slope, step = state
     new_c = c + (epsilon - value) / jnp.maximum(slope, 1e-30)
-    return new_c, c, eps_and_slope(new_c)[0], step + 1
+    return (new_c, c, *eps_and_slope(new_c), step + 1)
 
   one = jnp.float32(1.0)
-  c, _, _, _ = jax.lax.while_loop(
-      not_done, newton, (one, jnp.float32(0.0), jnp.float32(0.0), jnp.int32(0)))
+  c, _, _, _, _ = jax.lax.while_loop(
+      not_done, newton, (one, jnp.float32(0.0), *eps_and_slope(one), jnp.int32(0)))
   c = jnp.where(spent, jnp.inf, c)
   # c p/q cannot accept tokens with p = 0 < q; once c* = inf the rest of the budget is spent
   # on them at a common rate, which keeps the acceptance at min(1, 1 - TV(p,q) + eps).

@@ -47,6 +47,7 @@ def shipped_heads(assets: str | None = None) -> dict[tuple[str, str, str], str]:
   """
   assets = ASSETS if assets is None else assets
   out = {}
+  digests = {}  # draft folder -> digest, each hashed once
   if not os.path.isdir(assets):
     return out
   for name in sorted(os.listdir(assets)):
@@ -59,11 +60,14 @@ def shipped_heads(assets: str | None = None) -> dict[tuple[str, str, str], str]:
       continue
     draft = resolved_draft_spec(meta.get("draft_spec", ""))
     recorded = meta.get("draft_digest")
-    if recorded is not None and recorded != folder_digest(draft):
-      logging.warning("head %s was trained for another version of draft %s (digest %s, now "
-                      "%s): not used as a default; retrain it", name, draft, recorded,
-                      folder_digest(draft))
-      continue
+    if recorded is not None:
+      if draft not in digests:
+        digests[draft] = folder_digest(draft)
+      if recorded != digests[draft]:
+        logging.warning("head %s was trained for another version of draft %s (digest %s, "
+                        "now %s): not used as a default; retrain it", name, draft, recorded,
+                        digests[draft])
+        continue
     out.setdefault((meta["target"], draft, meta.get("task", "")), os.path.join(assets, name))
   return out
 

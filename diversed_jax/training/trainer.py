@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diversed_jax.digest import folder_digest
 from diversed_jax.rl.head import EnsembleHead, init_head
 from diversed_jax.rl.losses import get_advantage_fn, log_nu
 from diversed_jax.rl.optim import make_optimizer, make_train_step
@@ -237,7 +238,6 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
   if not last:  # resumed a finished run: the last logged metrics
     last = {k: v for k, v in _last_logged(workdir).items() if k != "step"}
   from diversed_jax.training.artifacts import portable_draft_spec
-  from diversed_jax.digest import folder_digest
   return head_io.save_head(
       os.path.join(workdir, "head"), module, params, dq, dp,
       target=getattr(target, "name", ""), draft_spec=portable_draft_spec(draft_spec),
