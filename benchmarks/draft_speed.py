@@ -3,12 +3,14 @@
   python benchmarks/draft_speed.py [--draft=FOLDER|self:4] [--num_prompts=8] [--out=FILE]
 
 Measures, in one run:
-  cost       draft step / target step, batch 1, one token, same cache length (medians of
-             interleaved timings);
+  cost       draft step / target decoding step, batch 1, one token, in the decoder's
+             layouts with donated caches (diversed_jax.speculative.step_costs), best of
+             --repeats; also r, the verify/decode cost ratio at K = --accept_k;
   accept     exact SD at temperature 1: mean beta = sum_x min(p, q) over drafted positions
              (GSM8K-test and CNN/DM-test prompts, zero-shot task prompts);
   speed      greedy SD tokens/s vs plain greedy decoding at batch 1 (each prompt alone) and
-             batch 8, with the outputs checked identical.
+             batch 8, end to end, each call's best of --repeats interleaved runs, with the
+             outputs checked identical.
 """
 
 from __future__ import annotations
@@ -16,14 +18,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 _DRAFT = flags.DEFINE_string("draft", None, "draft spec (default: the target's default)")
@@ -37,6 +36,7 @@ _OUT = flags.DEFINE_string("out", "", "JSON file for the results")
 _SKIP_B8 = flags.DEFINE_bool("skip_batch8", False, "skip the batch-8 comparison")
 _SPEED = flags.DEFINE_bool("speed", True, "run the greedy speed comparisons")
 _ACCEPT = flags.DEFINE_bool("accept", True, "measure the T=1 acceptance")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "interleaved timing repeats (best kept)")
 
 
 def _prompts(tokenizer, task: str, n: int) -> list[list[int]]:
@@ -47,35 +47,15 @@ def _prompts(tokenizer, task: str, n: int) -> list[list[int]]:
           for e in examples]
 
 
-def _time(fn, repeats=30):
-  fn()
-  out = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    out.append(time.perf_counter() - start)
-  return out
-
-
-def step_cost(target, draft, draft_params, cache_len=512, rounds=5):
-  """(draft ms, target ms, ratio): medians over interleaved rounds of 30 single steps."""
-  from diversed_jax.models import transformer
-  from diversed_jax.models.kv_cache import KVCache
-  tok = jnp.asarray([[17]], jnp.int32)
-  t_cache = KVCache.create(target.config, 1, cache_len).with_lengths(jnp.asarray([300]))
-  d_cache = draft.init_cache(1, cache_len, jnp.float32).with_lengths(jnp.asarray([300]))
-  feat = jnp.zeros((1, 1, target.config.hidden_size))
-  t_step = jax.jit(lambda p, c: transformer.forward(p, target.config, tok, c)[0])
-  d_step = jax.jit(lambda p, c: draft.forward(p, tok, c, None)[0])
-  d_first = jax.jit(lambda p, c: draft.forward(p, jnp.concatenate([tok, tok], 1), c,
-                                               jnp.concatenate([feat, feat], 1))[0])
-  t_ms, d_ms, d2_ms = [], [], []
-  for _ in range(rounds):
-    t_ms += _time(lambda: t_step(target.params, t_cache))
-    d_ms += _time(lambda: d_step(draft_params, d_cache))
-    d2_ms += _time(lambda: d_first(draft_params, d_cache))
-  t, d, d2 = (1e3 * float(np.median(x)) for x in (t_ms, d_ms, d2_ms))
-  return {"target_ms": t, "draft_ms": d, "draft_first_ms": d2, "cost": d / t}
+def step_cost(dec, k: int, repeats: int, cache_len: int = 512) -> dict:
+  """Draft step / target decoding step at batch 1 in the decoder's layouts, caches donated
+  (`step_costs.measure`), each call's best over `repeats` interleaved samples; also the
+  verify/decode ratio r at K = k."""
+  from diversed_jax.speculative import step_costs
+  costs = step_costs.StepCosts.best(
+      [step_costs.measure(dec, 1, k, cache_len) for _ in range(repeats)])
+  return {"target_ms": 1e3 * costs.decode_s, "draft_ms": 1e3 * costs.draft_s,
+          "verify_ms": 1e3 * costs.verify_s, "cost": costs.c, "r": costs.r, "k": k}
 
 
 def acceptance(dec, prompt_lists, k: int):
@@ -93,29 +73,29 @@ def acceptance(dec, prompt_lists, k: int):
           "tokens_per_round": float(accepted.mean() + 1)}
 
 
-def greedy_speed(dec, prompts, batch: int, k: int, ar_cache: dict):
-  """tokens/s of plain greedy and greedy SD over `prompts` in batches; identical check."""
+def greedy_speed(dec, prompts, batch: int, ks, repeats: int) -> list[dict]:
+  """Plain greedy vs greedy SD with each K in `ks` over `prompts` in batches: tokens/s end
+  to end, each call's best of `repeats` interleaved runs (the host's speed drifts), and
+  whether SD's output is identical to plain decoding's."""
   from diversed_jax.speculative.types import VerifyParams
   groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
-
-  def run(method, num_draft):
-    vp = VerifyParams(method=method, temperature=0.0)
-    dec.generate(groups[0], vp, num_draft=num_draft, max_new_tokens=_NEW.value)  # compile
-    tokens, seconds, rows = 0, 0.0, []
-    for g in groups:
-      out = dec.generate(g, vp, num_draft=num_draft, max_new_tokens=_NEW.value)
-      tokens += out.num_tokens
-      seconds += out.seconds
-      rows += out.token_ids
-    return tokens / seconds, rows
-
-  key = (batch, tuple(map(tuple, prompts)))
-  if key not in ar_cache:
-    ar_cache[key] = run("ar", 0)
-  ar_rate, ar_rows = ar_cache[key]
-  sd_rate, sd_rows = run("sd", k)
-  return {"batch": batch, "k": k, "ar_tokens_per_s": ar_rate, "sd_tokens_per_s": sd_rate,
-          "speedup": sd_rate / ar_rate, "identical": sd_rows == ar_rows}
+  runs = [("ar", 0)] + [("sd", k) for k in ks]
+  for method, k in runs:  # compile
+    dec.generate(groups[0], VerifyParams(method=method, temperature=0.0), num_draft=k,
+                 max_new_tokens=_NEW.value)
+  best = {run: np.full(len(groups), np.inf) for run in runs}
+  rows, tokens = {}, {}
+  for _ in range(repeats):
+    for method, k in runs:
+      outs = [dec.generate(g, VerifyParams(method=method, temperature=0.0), num_draft=k,
+                           max_new_tokens=_NEW.value) for g in groups]
+      best[method, k] = np.minimum(best[method, k], [o.seconds for o in outs])
+      rows[method, k] = [r for o in outs for r in o.token_ids]
+      tokens[method, k] = sum(o.num_tokens for o in outs)
+  rate = {run: tokens[run] / best[run].sum() for run in runs}
+  return [{"batch": batch, "k": k, "ar_tokens_per_s": rate["ar", 0],
+           "sd_tokens_per_s": rate["sd", k], "speedup": rate["sd", k] / rate["ar", 0],
+           "identical": rows["sd", k] == rows["ar", 0]} for k in ks]
 
 
 def main(argv):
@@ -133,21 +113,21 @@ def main(argv):
   cnn = _prompts(tokenizer, "cnndm", n)
   results = {"draft": spec, "target": target.name, "num_prompts": n,
              "max_new_tokens": _NEW.value}
-  results["cost"] = step_cost(target, draft, draft_params)
+  results["cost"] = step_cost(dec, _ACCEPT_K.value, _REPEATS.value)
   print(json.dumps(results), flush=True)
   if _ACCEPT.value:
     results["gsm8k"] = acceptance(dec, [gsm], _ACCEPT_K.value)
     results["cnndm"] = acceptance(dec, [cnn], _ACCEPT_K.value)
   print(json.dumps(results), flush=True)
-  ar_cache: dict = {}
-  results["greedy_batch1"] = []
   mixed = [p for pair in zip(gsm[:n // 2], cnn[:n // 2]) for p in pair]
-  for k in (list(map(int, _KS.value)) if _SPEED.value else []):
-    results["greedy_batch1"].append(greedy_speed(dec, mixed, 1, k, ar_cache))
-    print(json.dumps(results["greedy_batch1"][-1]), flush=True)
+  if _SPEED.value:
+    results["greedy_batch1"] = greedy_speed(dec, mixed, 1, list(map(int, _KS.value)),
+                                            _REPEATS.value)
+    for row in results["greedy_batch1"]:
+      print(json.dumps(row), flush=True)
   if _SPEED.value and not _SKIP_B8.value:
     best_k = max(results["greedy_batch1"], key=lambda r: r["speedup"])["k"]
-    results["greedy_batch8"] = greedy_speed(dec, gsm[:8], 8, best_k, ar_cache)
+    results["greedy_batch8"] = greedy_speed(dec, gsm[:8], 8, [best_k], _REPEATS.value)[0]
   print(json.dumps(results, indent=1), flush=True)
   if _OUT.value:
     with open(_OUT.value, "w") as f:

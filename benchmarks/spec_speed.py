@@ -29,18 +29,13 @@ round yields. `pred/batch` and `eff/batch` use instead the per-row tokens per BA
 
 from __future__ import annotations
 
-import functools
-import time
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from diversed_jax import tokenizer as tokenizer_lib
-from diversed_jax.models import KVCache, loading, transformer
+from diversed_jax.models import loading
 from diversed_jax.models.kv_cache import bucket_length
-from diversed_jax.speculative import build, loop, metrics
+from diversed_jax.speculative import build, loop, metrics, step_costs
 from diversed_jax.speculative.decoder import PROMPT_BUCKETS
 from diversed_jax.speculative.types import VerifyParams
 from diversed_jax.tasks.registry import get_task
@@ -57,62 +52,18 @@ _METHODS = flags.DEFINE_list("methods", ["sd", "lossy", "static", "diversed", "c
                                          "mentored", "typical"], "Methods besides ar.")
 
 
-@functools.partial(jax.jit, static_argnames="config", donate_argnums=(1,))
-def _target_step(params, cache, tokens_bt, *, config):
-  """One target forward, cache updated in place and rolled back (as the loop does)."""
-  logits, _, new_cache = transformer.forward(params, config, tokens_bt, cache)
-  return logits, new_cache.with_lengths(cache.lengths_b)
-
-
-@functools.partial(jax.jit, static_argnames="draft", donate_argnums=(1,))
-def _draft_step(params, cache, tokens_bt, *, draft):
-  logits, _, new_cache = draft.forward(params, tokens_bt, cache, None)
-  return logits, new_cache.with_lengths(cache.lengths_b)
-
-
-def step_costs(decoder, batch, k, cache_len, repeats=5):
-  """Seconds of: a target decode step, a target verify step over K+1 tokens, a draft step,
-  each in the parameter layout the decoder uses for it, best of `repeats`, cache half full.
-  As in the loop the caches are donated (updated in place): without donation every call
-  would also copy the whole cache."""
-  target, draft = decoder.target, decoder.draft
-  dtype = target.params["embed"].dtype
-  half = lambda: jnp.full((batch,), cache_len // 2, jnp.int32)  # fresh: caches are donated
-
-  def timed(step, params, cache, tokens_bt):
-    logits, cache = step(params, cache, tokens_bt)  # compile (first call only) and warm up
-    logits.block_until_ready()
-    best = np.inf
-    for _ in range(repeats):
-      start = time.perf_counter()
-      logits, cache = step(params, cache, tokens_bt)
-      logits.block_until_ready()
-      best = min(best, time.perf_counter() - start)
-    return best
-
-  target_step = functools.partial(_target_step, config=target.config)
-  new_cache = lambda: KVCache.create(target.config, batch, cache_len, dtype).with_lengths(half())
-  one = jnp.ones((batch, 1), jnp.int32)
-  many = jnp.ones((batch, k + 1), jnp.int32)
-  decode = timed(target_step, decoder.target_params(0), new_cache(), one)
-  verify = timed(target_step, decoder.target_params(k), new_cache(), many)
-  draft_cache = draft.init_cache(batch, cache_len, dtype).with_lengths(half())
-  draft_s = timed(functools.partial(_draft_step, draft=draft), decoder.draft_params,
-                  draft_cache, one)
-  return decode, verify, draft_s
-
-
 def run_method(decoder, batches, verify, k):
-  """(tokens, seconds, batch rounds, summaries) over all batches; compile time excluded."""
-  tokens = seconds = batch_rounds = 0
-  summaries = []
+  """(tokens, seconds per batch [n], batch rounds, summaries) over all batches; compile
+  time excluded."""
+  tokens = batch_rounds = 0
+  seconds, summaries = [], []
   for chunk in batches:
     out = decoder.generate(chunk, verify, num_draft=k, max_new_tokens=_MAX_NEW.value)
     tokens += out.num_tokens
-    seconds += out.seconds
+    seconds.append(out.seconds)
     batch_rounds += out.rounds
     summaries.append(metrics.summarize(out.stats, out.num_tokens, verify.method != "ar"))
-  return tokens, seconds, batch_rounds, summaries
+  return tokens, np.asarray(seconds), batch_rounds, summaries
 
 
 def main(argv):
@@ -139,18 +90,21 @@ def main(argv):
       decoder.generate(batches[0], verify_params[m], num_draft=k, max_new_tokens=_MAX_NEW.value)
     decoder.generate(batches[0], one_token, max_new_tokens=1)
     # Timings interleave methods and step costs over the repeats (the machine's speed
-    # drifts); each keeps its best repeat.
-    best_s = {m: np.inf for m in methods}
-    runs, costs, first_token_s = {}, [], np.inf
+    # drifts); every call (method and batch of prompts) keeps its best repeat, so a slow
+    # phase of the host spoils one call's sample, not a whole method's.
+    best_s = {m: np.full(len(batches), np.inf) for m in methods}
+    runs, costs, first_token_s = {}, [], np.full(len(batches), np.inf)
     for _ in range(_REPEATS.value):
-      costs.append(step_costs(decoder, batch, k, cache_len))
-      first_token_s = min(first_token_s, sum(
-          decoder.generate(chunk, one_token, max_new_tokens=1).seconds for chunk in batches))
+      costs.append(step_costs.measure(decoder, batch, k, cache_len))
+      first_token_s = np.minimum(first_token_s, [
+          decoder.generate(chunk, one_token, max_new_tokens=1).seconds for chunk in batches])
       for m in methods:
         runs[m] = run_method(decoder, batches, verify_params[m], k)
-        best_s[m] = min(best_s[m], runs[m][1])
-    decode_s, verify_s, draft_s = np.min(np.asarray(costs), axis=0)
-    c, r = draft_s / decode_s, verify_s / decode_s
+        best_s[m] = np.minimum(best_s[m], runs[m][1])
+    best_s = {m: float(s.sum()) for m, s in best_s.items()}
+    first_token_s = float(first_token_s.sum())
+    best_costs = step_costs.StepCosts.best(costs)
+    decode_s, c, r = best_costs.decode_s, best_costs.c, best_costs.r
     # The prompt's prefill is a fixed cost outside the rounds that the prediction models:
     # the decoding phase = a call's time minus the prefill (the target's: the time of a
     # one-token call minus one step; the draft's: c times it).
@@ -174,8 +128,8 @@ def main(argv):
         print(f"{m:10s} {rate:7.1f} {1.0:7.2f} {'':17s} {phase_rate:6.1f} {1.0:7.2f}")
         continue
       steps = loop.LoopSpec(verify_params[m], k).num_draft_steps
-      predicted = tpr / (steps * c + r)
-      predicted_batch = tpr_batch / ar_tpr_batch / (steps * c + r)
+      predicted = best_costs.predicted_speedup(tpr, steps)
+      predicted_batch = best_costs.predicted_speedup(tpr_batch / ar_tpr_batch, steps)
       accept = np.mean([s["acceptance_rate"] for s in summaries])
       speedup = phase_rate / ar_phase_rate
       print(f"{m:10s} {rate:7.1f} {rate / ar_rate:7.2f} {'':17s} {phase_rate:6.1f} "

@@ -157,3 +157,19 @@ def test_two_token_law_of_the_loop(pair, method, law, wrong_law):
   # A wrong law is far away, so the test can fail.
   assert 0.5 * np.abs(counts / rows - _exact_two_token_law(
       target, draft, draft_params, prompt, wrong_law)).sum() > 0.1
+
+
+def test_step_costs_time_the_decoder_calls_and_predict_the_speedup(pair):
+  from diversed_jax.speculative import step_costs
+  target, draft, draft_params = pair
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  costs = step_costs.measure(dec, batch=2, num_draft=3, cache_len=32, repeats=2)
+  assert min(costs.decode_s, costs.verify_s, costs.draft_s) > 0
+  assert costs.c == pytest.approx(costs.draft_s / costs.decode_s)
+  # tokens_per_round / (draft_steps * c + r), hand-computed for fixed costs.
+  fixed = step_costs.StepCosts(decode_s=0.02, verify_s=0.03, draft_s=0.002)
+  assert fixed.predicted_speedup(2.5, 4) == pytest.approx(2.5 / (4 * 0.1 + 1.5))
+  best = step_costs.StepCosts.best([fixed, step_costs.StepCosts(0.01, 0.05, 0.003)])
+  assert best == step_costs.StepCosts(0.01, 0.03, 0.002)
+  with pytest.raises(ValueError, match="draft"):
+    step_costs.measure(decoder_lib.SpeculativeDecoder(target), 1, 3, 32)
