@@ -7,7 +7,8 @@ Measures, in one run:
              layouts with donated caches (diversed_jax.speculative.step_costs), best of
              --repeats; also r, the verify/decode cost ratio at K = --accept_k;
   accept     exact SD at temperature 1: mean beta = sum_x min(p, q) over drafted positions
-             (GSM8K-test and CNN/DM-test prompts, zero-shot task prompts);
+             (GSM8K-test and CNN/DM-test prompts, zero-shot task prompts), and per
+             drafting step (step j > 1 drafts from the draft's own earlier features);
   speed      greedy SD tokens/s vs plain greedy decoding at batch 1 (each prompt alone) and
              batch 8, end to end, each call's best of --repeats interleaved runs, with the
              outputs checked identical.
@@ -67,9 +68,11 @@ def acceptance(dec, prompt_lists, k: int):
     s = gen.stats
     betas.append(s.beta_rbk[s.active_rb])
     accepted.append(s.num_accepted_rb[s.active_rb])
-  betas = np.concatenate(betas)
+  betas = np.concatenate(betas)  # [rounds, K]
   accepted = np.concatenate(accepted)
-  return {"accept": float(betas.mean()), "accepted_per_round": float(accepted.mean()),
+  return {"accept": float(betas.mean()),
+          "accept_by_position": [round(float(b), 4) for b in betas.mean(axis=0)],
+          "accepted_per_round": float(accepted.mean()),
           "tokens_per_round": float(accepted.mean() + 1)}
 
 
