@@ -1,7 +1,5 @@
 """The speculative loop end to end on tiny random models, plus the real SmolLM2 (slow)."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
