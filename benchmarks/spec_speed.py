@@ -20,11 +20,20 @@ the decoding phase: each call's time minus the prompt prefill (measured as the t
 one-token call minus one decoding step; the draft's prefill is taken as c times it). The
 end-to-end tokens/s and speed-up (prefill included) are printed too.
 
-In a batch, rows commit different numbers of tokens per round and the batch runs until its
-slowest row is done, so from batch 2 on the per-row tokens_per_round overstates what a batch
-round yields. `pred/batch` and `eff/batch` use instead the per-row tokens per BATCH round
-(tokens / (batch rounds x B)), relative to the same figure of autoregressive decoding (below
-1 when rows stop early on EOS): the loop's own overhead without the raggedness of the batch.
+In a batch, rows commit different numbers of tokens per round and a static batch runs
+until its slowest row is done, so from batch 2 on the per-row tokens_per_round overstates
+what a batch round yields. `pred/batch` and `eff/batch` use instead the per-row tokens per
+BATCH round (tokens / (batch rounds x B)), relative to the same figure of autoregressive
+decoding (below 1 when rows stop early on EOS): the loop's own overhead without the
+raggedness of the batch. `--queue=Q` (Q > B) decodes Q prompts per call with B rows and
+continuous batching instead (a finished row takes the next prompt), which removes most of
+that raggedness: only the last prompts' tail is ragged.
+
+`calls` = the model calls' share of the decoding phase: loop iterations x (draft_steps x
+draft step + verification) / measured seconds (for ar: iterations x decoding step). It
+splits the efficiency into two factors, efficiency ~= calls(method) / calls(ar): a `calls`
+above 1 means the step costs were timed in a slower phase of the host than the decoding
+(this shared host's speed drifts), so read the pair, not one figure.
 """
 
 from __future__ import annotations
@@ -46,19 +55,23 @@ _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8"], "Batch sizes.")
 _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "K.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per row.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "GSM8K-test prompts per batch size.")
+_QUEUE = flags.DEFINE_integer(
+    "queue", 0, "At batch sizes B > 1: prompts per call, decoded by B rows with continuous "
+    "batching (0: static batches of B prompts).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Interleaved timing repeats (best kept).")
 _METHODS = flags.DEFINE_list("methods", ["sd", "lossy", "static", "diversed", "cascade",
                                          "mentored", "typical"], "Methods besides ar.")
 
 
-def run_method(decoder, batches, verify, k):
+def run_method(decoder, batches, verify, k, batch_size=None, max_new_tokens=None):
   """(tokens, seconds per batch [n], batch rounds, summaries) over all batches; compile
   time excluded."""
   tokens = batch_rounds = 0
   seconds, summaries = [], []
   for chunk in batches:
-    out = decoder.generate(chunk, verify, num_draft=k, max_new_tokens=_MAX_NEW.value)
+    out = decoder.generate(chunk, verify, num_draft=k, batch_size=batch_size,
+                           max_new_tokens=max_new_tokens or _MAX_NEW.value)
     tokens += out.num_tokens
     seconds.append(out.seconds)
     batch_rounds += out.rounds
@@ -72,23 +85,30 @@ def main(argv):
   tokenizer = tokenizer_lib.load_tokenizer(_TARGET.value)
   decoder, info = build.build_decoder(target, _DRAFT.value)
   task = get_task("gsm8k")
-  examples = task.load(split="test", limit=max(int(b) for b in _BATCH_SIZES.value) *
-                       max(1, _NUM_PROMPTS.value // min(int(b) for b in _BATCH_SIZES.value)))
+  examples = task.load(split="test", limit=max(
+      _QUEUE.value, max(int(b) for b in _BATCH_SIZES.value) *
+      max(1, _NUM_PROMPTS.value // min(int(b) for b in _BATCH_SIZES.value))))
   prompts = [tokenizer_lib.encode_prompt(tokenizer, task.prompt(e), chat=True) for e in examples]
   k = _NUM_DRAFT.value
   methods = ["ar"] + list(_METHODS.value)
   print(f"target={info['target']} draft={info['draft']} K={k} T={_TEMPERATURE.value} "
         f"max_new_tokens={_MAX_NEW.value}, best of {_REPEATS.value} interleaved repeats")
   for batch in (int(b) for b in _BATCH_SIZES.value):
-    batches = [prompts[i:i + batch] for i in range(0, max(_NUM_PROMPTS.value, batch), batch)]
-    batches = [b for b in batches if len(b) == batch]
+    queued = batch > 1 and _QUEUE.value > batch
+    if queued:  # one call: Q prompts through B rows
+      batches, rows = [prompts[:_QUEUE.value]], batch
+    else:
+      batches, rows = [prompts[i:i + batch]
+                       for i in range(0, max(_NUM_PROMPTS.value, batch), batch)], None
+      batches = [b for b in batches if len(b) == batch]
     width = max(len(p) for p in prompts)
     cache_len = bucket_length(bucket_length(width, PROMPT_BUCKETS) + _MAX_NEW.value + k + 2)
     verify_params = {m: VerifyParams(method=m, temperature=_TEMPERATURE.value) for m in methods}
     one_token = VerifyParams(method="ar", temperature=_TEMPERATURE.value)
     for m in methods:  # compile every program before timing anything
-      decoder.generate(batches[0], verify_params[m], num_draft=k, max_new_tokens=_MAX_NEW.value)
-    decoder.generate(batches[0], one_token, max_new_tokens=1)
+      decoder.generate(batches[0], verify_params[m], num_draft=k, batch_size=rows,
+                       max_new_tokens=_MAX_NEW.value)
+    decoder.generate(batches[0], one_token, batch_size=rows, max_new_tokens=1)
     # Timings interleave methods and step costs over the repeats (the machine's speed
     # drifts); every call (method and batch of prompts) keeps its best repeat, so a slow
     # phase of the host spoils one call's sample, not a whole method's.
@@ -96,10 +116,11 @@ def main(argv):
     runs, costs, first_token_s = {}, [], np.full(len(batches), np.inf)
     for _ in range(_REPEATS.value):
       costs.append(step_costs.measure(decoder, batch, k, cache_len))
-      first_token_s = np.minimum(first_token_s, [
-          decoder.generate(chunk, one_token, max_new_tokens=1).seconds for chunk in batches])
+      # One-token calls: the prefills (every prompt's, refills included) plus their rounds.
+      _, seconds, first_token_rounds, _ = run_method(decoder, batches, one_token, 0, rows, 1)
+      first_token_s = np.minimum(first_token_s, seconds)
       for m in methods:
-        runs[m] = run_method(decoder, batches, verify_params[m], k)
+        runs[m] = run_method(decoder, batches, verify_params[m], k, rows)
         best_s[m] = np.minimum(best_s[m], runs[m][1])
     best_s = {m: float(s.sum()) for m, s in best_s.items()}
     first_token_s = float(first_token_s.sum())
@@ -108,13 +129,16 @@ def main(argv):
     # The prompt's prefill is a fixed cost outside the rounds that the prediction models:
     # the decoding phase = a call's time minus the prefill (the target's: the time of a
     # one-token call minus one step; the draft's: c times it).
-    prefill_s = max(first_token_s - len(batches) * decode_s, 0.0)
-    print(f"\nbatch {batch}: target step {decode_s * 1e3:.1f} ms, verify/decode r={r:.2f}, "
-          f"draft/target c={c:.3f}, cache {cache_len} slots, prefill "
+    prefill_s = max(first_token_s - first_token_rounds * decode_s, 0.0)
+    layout = (f"{len(batches[0])} prompts per call, continuous batching" if queued
+              else f"{len(batches)} calls")
+    print(f"\nbatch {batch} ({layout}): target step {decode_s * 1e3:.1f} ms, verify/decode "
+          f"r={r:.2f}, draft/target c={c:.3f}, cache {cache_len} slots, prefill "
           f"{prefill_s / len(batches) * 1e3:.0f} ms per call")
     print(f"{'method':10s} {'tok/s':>7s} {'speedup':>7s} {'| decoding phase:':>17s} "
           f"{'tok/s':>6s} {'speedup':>7s} {'predicted':>9s} {'efficiency':>10s} "
-          f"{'pred/batch':>10s} {'eff/batch':>9s} {'accept':>7s} {'tok/round':>9s}")
+          f"{'pred/batch':>10s} {'eff/batch':>9s} {'calls':>6s} {'accept':>7s} "
+          f"{'tok/round':>9s}")
     ar_rate = ar_phase_rate = ar_tpr_batch = None
     for m in methods:
       tokens, _, batch_rounds, summaries = runs[m]
@@ -125,17 +149,21 @@ def main(argv):
       tpr_batch = tokens / (batch_rounds * batch)
       if m == "ar":
         ar_rate, ar_phase_rate, ar_tpr_batch = rate, phase_rate, tpr_batch
-        print(f"{m:10s} {rate:7.1f} {1.0:7.2f} {'':17s} {phase_rate:6.1f} {1.0:7.2f}")
+        calls = batch_rounds * decode_s * phase_rate / tokens
+        print(f"{m:10s} {rate:7.1f} {1.0:7.2f} {'':17s} {phase_rate:6.1f} {1.0:7.2f} "
+              f"{'':41s} {calls:6.2f}")
         continue
       steps = loop.LoopSpec(verify_params[m], k).num_draft_steps
+      round_s = steps * best_costs.draft_s + best_costs.verify_s
+      calls = batch_rounds * round_s * phase_rate / tokens
       predicted = best_costs.predicted_speedup(tpr, steps)
       predicted_batch = best_costs.predicted_speedup(tpr_batch / ar_tpr_batch, steps)
       accept = np.mean([s["acceptance_rate"] for s in summaries])
       speedup = phase_rate / ar_phase_rate
       print(f"{m:10s} {rate:7.1f} {rate / ar_rate:7.2f} {'':17s} {phase_rate:6.1f} "
             f"{speedup:7.2f} {predicted:9.2f} {speedup / predicted:10.2f} "
-            f"{predicted_batch:10.2f} {speedup / predicted_batch:9.2f} {accept:7.3f} "
-            f"{tpr:9.2f}", flush=True)
+            f"{predicted_batch:10.2f} {speedup / predicted_batch:9.2f} {calls:6.2f} "
+            f"{accept:7.3f} {tpr:9.2f}", flush=True)
 
 
 if __name__ == "__main__":

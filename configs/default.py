@@ -64,6 +64,9 @@ def base() -> ml_collections.ConfigDict:
   c.decode.num_draft = 4  # K, drafted tokens per round
   c.decode.max_new_tokens = 96  # generated tokens per example at most
   c.decode.batch_size = 4  # rows decoded together (the last batch is padded to this size)
+  # Examples per decoding call; > batch_size: continuous batching (finished rows take the
+  # next queued example, so no row idles waiting for a batch's slowest). 0: batch_size.
+  c.decode.queue = 0
 
   c.methods = ml_collections.ConfigDict()
   c.methods.run = "ar,sd,lossy,static,diversed"  # comma list of methods.FAMILIES

@@ -67,6 +67,9 @@ def test_draft_kinds_run_in_the_speculative_loop(target, kind):
     got = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=0.0),
                        num_draft=num_draft, max_new_tokens=10, eos_token_ids=())
     assert got.token_ids == expected
+  queued = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=0.0), num_draft=2,
+                        max_new_tokens=10, eos_token_ids=(), batch_size=2)
+  assert queued.token_ids == expected  # refilled rows get fresh draft caches and features
   sampled = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=1.0), num_draft=3,
                          max_new_tokens=10, eos_token_ids=())
   assert all(len(t) == 10 for t in sampled.token_ids)

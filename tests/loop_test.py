@@ -103,6 +103,46 @@ def test_eos_and_max_new_tokens_stop_rows(pair):
     assert row == row_free[:cut]
 
 
+QUEUE = PROMPTS + [[3, 3, 4], [9, 8, 7, 6, 5, 4], [1, 1]]
+
+
+@pytest.mark.parametrize("method,num_draft", [("ar", 0), ("sd", 3), ("static", 2)])
+def test_continuous_batching_gives_each_prompt_its_own_decoding(pair, method, num_draft):
+  """With fewer rows than prompts, finished rows take queued prompts; every prompt's tokens
+  equal those of decoding all prompts at once, with and without EOS."""
+  target, draft, draft_params = pair
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  # weight 1 keeps greedy 'static' deterministic (nu = p) while it still drafts K + 1 steps.
+  greedy = VerifyParams(method=method, temperature=0.0, weight=1.0)
+  expected = [_greedy_reference(target, p, 10) for p in QUEUE]
+  eos = expected[1][2]  # stops some prompts early, so rows free up at different rounds
+  for eos_ids in ((), (eos,)):
+    together = dec.generate(QUEUE, greedy, num_draft=num_draft, max_new_tokens=10,
+                            eos_token_ids=eos_ids)
+    if not eos_ids:
+      assert together.token_ids == expected
+    for batch_size in (1, 3):
+      queued = dec.generate(QUEUE, greedy, num_draft=num_draft, max_new_tokens=10,
+                            eos_token_ids=eos_ids, batch_size=batch_size)
+      assert queued.token_ids == together.token_ids, (eos_ids, batch_size)
+      # Each prompt's rounds are its own: they commit exactly its tokens.
+      for accepted, tokens in zip(queued.accepted_per_round, queued.token_ids):
+        assert len(accepted) >= 1
+        assert sum(n + 1 for n in accepted[:-1]) < len(tokens) <= sum(n + 1 for n in accepted)
+      served = queued.stats.prompt_rb[queued.stats.active_rb]
+      assert sorted(set(served.tolist())) == list(range(len(QUEUE)))
+      assert queued.stats.active_rb.shape[1] == batch_size
+      if batch_size == 1:
+        assert queued.rounds == sum(len(a) for a in queued.accepted_per_round)
+
+
+def test_continuous_batching_rejects_a_bad_batch_size(pair):
+  target, draft, draft_params = pair
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  with pytest.raises(ValueError, match="batch_size=5"):
+    dec.generate(PROMPTS, VerifyParams(method="sd"), batch_size=5)
+
+
 def test_compiles_once_per_prompt_bucket(pair):
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)

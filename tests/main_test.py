@@ -100,6 +100,40 @@ def test_resume_after_interruption(tmp_path, tiny_dir, monkeypatch):
   assert len(open(path).read().splitlines()) == 2 * 6
 
 
+def test_continuous_batching_gives_the_same_per_example_records(tmp_path, tiny_dir,
+                                                                 monkeypatch):
+  """decode.queue > batch_size decodes more examples per call through the same rows;
+  greedy completions and each example's rounds and accepted drafts are unchanged (ar and
+  exact SD: greedy, they are deterministic)."""
+  monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
+  by_queue = {}
+  for queue in (0, 5):
+    config = config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py:tiny"),
+                                   {"methods.run": "ar,sd", "task.limit": 5,
+                                    "decode.temperature": 0.0, "decode.queue": queue})
+    calls = []
+    evaluate.evaluate(config, str(tmp_path / f"q{queue}"), log=lambda m: None,
+                      after_batch=lambda s, recs: calls.append(len(recs)))
+    assert calls == ([2, 2, 1] * 2 if queue == 0 else [5] * 2)
+    lines = open(tmp_path / f"q{queue}" / "results.jsonl").read().splitlines()
+    by_queue[queue] = {(r["setting"], r["example_id"]): r for r in map(json.loads, lines)}
+  assert by_queue[0].keys() == by_queue[5].keys() and len(by_queue[0]) == 10
+  for key, static in by_queue[0].items():
+    queued = by_queue[5][key]
+    for field in ("completion", "num_tokens", "rounds", "accepted", "reward"):
+      assert queued[field] == static[field], (key, field)
+    assert queued["theory"] == pytest.approx(static["theory"], rel=1e-5)
+
+
+def test_a_queue_shorter_than_the_batch_is_refused(tiny_dir, monkeypatch):
+  from diversed_jax.evaluation import validate
+  monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
+  config = config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py:tiny"),
+                                 {"decode.queue": 1})
+  with pytest.raises(ValueError, match="decode.queue"):
+    validate.validate(config)
+
+
 def test_store_drops_a_torn_tail(tmp_path):
   path = str(tmp_path / "r.jsonl")
   store = ResultStore(path)

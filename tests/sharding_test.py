@@ -18,12 +18,15 @@ _SCRIPT = textwrap.dedent("""
     tp = init_params(cfg, jax.random.PRNGKey(0), std=0.5)
     dp = init_params(dcfg, jax.random.PRNGKey(1), std=0.5)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3, 3], [1, 5, 2], [7, 7, 7], [2, 4], [9, 1]]
-    outs = []
-    for mesh in (None, mesh_lib.make_mesh()):
-      d = dec.SpeculativeDecoder(dec.ModelHandle(cfg, tp), drafts.LMDraft(dcfg), dp, mesh=mesh)
-      outs.append(d.generate(prompts, VerifyParams(method="sd", temperature=1.0),
-                             num_draft=3, max_new_tokens=10, seed=5, eos_token_ids=()))
-    assert outs[0].token_ids == outs[1].token_ids, (outs[0].token_ids, outs[1].token_ids)
+    for batch_size in (None, 4):  # 4 rows, 8 prompts: continuous batching
+      outs = []
+      for mesh in (None, mesh_lib.make_mesh()):
+        d = dec.SpeculativeDecoder(dec.ModelHandle(cfg, tp), drafts.LMDraft(dcfg), dp,
+                                   mesh=mesh)
+        outs.append(d.generate(prompts, VerifyParams(method="sd", temperature=1.0),
+                               num_draft=3, max_new_tokens=10, seed=5, eos_token_ids=(),
+                               batch_size=batch_size))
+      assert outs[0].token_ids == outs[1].token_ids, (outs[0].token_ids, outs[1].token_ids)
     print("OK", mesh_lib.make_mesh().shape)
 """)
 

@@ -32,3 +32,5 @@ def test_greedy_speculative_equals_greedy_autoregressive(setup):
     for batch in (prompts[:1], prompts):
       got = decoder.generate(batch, greedy_sd, num_draft=k, max_new_tokens=20)
       assert got.token_ids == expected[:len(batch)], (k, len(batch))
+  queued = decoder.generate(prompts, greedy_sd, num_draft=3, max_new_tokens=20, batch_size=2)
+  assert queued.token_ids == expected  # continuous batching: 2 rows, 4 prompts

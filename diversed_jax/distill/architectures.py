@@ -76,6 +76,10 @@ class FeatureCache:
   def with_lengths(self, lengths_b) -> "FeatureCache":
     return self.replace(kv=self.kv.with_lengths(lengths_b))
 
+  def set_row(self, row, row_cache: "FeatureCache") -> "FeatureCache":
+    return FeatureCache(self.kv.set_row(row, row_cache.kv),
+                        self.feature_bd.at[row].set(row_cache.feature_bd[0]))
+
 
 @dataclasses.dataclass(frozen=True)
 class DistilledDraft:

@@ -1,12 +1,14 @@
 """Runs every method setting over the task slice, batch by batch, resumably.
 
-For each setting and each batch of examples not yet in the results file: decode (compile
-time excluded from the timing), score the completions with the task's reward, append one
-JSON line per example. Summary rows are computed from the file (report.summarize).
+For each setting and each call's worth of examples not yet in the results file: decode
+(compile time excluded from the timing), score the completions with the task's reward,
+append one JSON line per example. A call decodes `decode.batch_size` examples, or with
+`decode.queue` > batch_size that many examples through batch_size rows with continuous
+batching. Summary rows are computed from the file (report.summarize).
 
 Per-example record: fingerprint, setting, method, params, example_id, index, completion,
 num_tokens, rounds, accepted, num_draft, theory (sum over rounds of the expected accepted
-drafts), weight (mean w_t on the target, ensembles only), seconds (the batch's decode
+drafts), weight (mean w_t on the target, ensembles only), seconds (the call's decode
 seconds shared over its examples), reward.
 """
 
@@ -51,28 +53,30 @@ def setting_fingerprint(config, setting, models) -> str:
                      task.max_prompt_tokens, context_lib.field_overrides(task.fields))
 
 
-def row_figures(stats, row: int, num_tokens: int, speculative: bool,
+def row_figures(stats, prompt: int, num_tokens: int, speculative: bool,
                 with_weights: bool) -> dict:
-  """Acceptance sums of one row of a batch (see the module doc), via metrics.summarize."""
-  row_stats = jax.tree.map(lambda x: np.asarray(x)[:, row:row + 1], stats)
-  figures = metrics.summarize(row_stats, num_tokens, speculative)
+  """Acceptance sums of one prompt of a call (see the module doc), via metrics.summarize:
+  the rounds in which a row decoded that prompt."""
+  served = np.asarray(stats.active_rb, bool) & (np.asarray(stats.prompt_rb) == prompt)
+  prompt_stats = stats.replace(active_rb=served)
+  figures = metrics.summarize(prompt_stats, num_tokens, speculative)
   rounds = figures["rounds"]
   out = {"rounds": rounds,
-         "num_draft": int(row_stats.accept_prob_rbk.shape[-1]) if speculative else 0,
+         "num_draft": int(np.asarray(stats.accept_prob_rbk).shape[-1]) if speculative else 0,
          "accepted": int(round(figures["mean_accepted"] * rounds)),
          "theory": figures["expected_accepted_theory"] * rounds}
-  active = np.asarray(row_stats.active_rb)[:, 0].astype(bool)
-  if with_weights and active.any():
-    out["weight"] = float(np.asarray(row_stats.weights_rbk)[active, 0].mean())
+  if with_weights and served.any():
+    out["weight"] = float(np.asarray(stats.weights_rbk)[served][:, 0].mean())
   return out
 
 
 def run_setting(setting, fp: str, config, models, task, examples, prompts, store: ResultStore,
                 log: Callable = print, after_batch: Callable | None = None) -> None:
-  """Decodes the examples of `setting` not yet in `store`, one batch at a time."""
+  """Decodes the examples of `setting` not yet in `store`, one call at a time."""
   done = store.done(fp)
   decoder = models.decoder_for(setting)
-  size = config.decode.batch_size
+  size = max(config.decode.batch_size, config.decode.queue)
+  rows_at_once = config.decode.batch_size if size > config.decode.batch_size else None
   batches = range(0, len(examples), size)
   for number, start in enumerate(batches, 1):
     rows = [i for i in range(start, min(start + size, len(examples)))
@@ -80,10 +84,10 @@ def run_setting(setting, fp: str, config, models, task, examples, prompts, store
     if not rows:
       continue
     batch = [prompts[i] for i in rows]
-    batch += [batch[-1]] * (size - len(batch))  # same shape as every other batch
+    batch += [batch[-1]] * (size - len(batch))  # same shape as every other call
     out = decoder.generate(batch, setting.verify, num_draft=config.decode.num_draft,
                            max_new_tokens=config.decode.max_new_tokens,
-                           seed=config.seed + start)
+                           seed=config.seed + start, batch_size=rows_at_once)
     texts = [models.tokenizer.decode(out.token_ids[j], skip_special_tokens=True)
              for j in range(len(rows))]
     rewards = task.rewards(texts, [examples[i] for i in rows],

@@ -162,6 +162,9 @@ def validate(config) -> None:
   _check_number("decode.num_draft", d.num_draft, 1, integer=True)
   _check_number("decode.max_new_tokens", d.max_new_tokens, 1, integer=True)
   _check_number("decode.batch_size", d.batch_size, 1, integer=True)
+  _check_number("decode.queue", d.queue, 0, integer=True)
+  if 0 < d.queue < d.batch_size:
+    _fail("decode.queue", d.queue, f"must be 0 or >= decode.batch_size ({d.batch_size})")
   _check_methods(config)
   name = config.eval.results_file
   if not name or os.path.basename(name) != name:

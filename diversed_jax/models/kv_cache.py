@@ -52,5 +52,13 @@ class KVCache:
     """Rolls rows back (or forward) to `lengths_b` committed tokens."""
     return self.replace(lengths_b=jnp.asarray(lengths_b, jnp.int32))
 
+  def set_row(self, row: jax.Array, row_cache: "KVCache") -> "KVCache":
+    """Row `row` (a traced index) replaced by the one-row cache `row_cache` (continuous
+    batching: a finished row takes a new prompt)."""
+    put = jax.lax.dynamic_update_slice_in_dim
+    return KVCache(put(self.k_lbshd, row_cache.k_lbshd.astype(self.k_lbshd.dtype), row, 1),
+                   put(self.v_lbshd, row_cache.v_lbshd.astype(self.v_lbshd.dtype), row, 1),
+                   put(self.lengths_b, row_cache.lengths_b, row, 0))
+
   def truncated(self, num_layers: int) -> "KVCache":
     return self.replace(k_lbshd=self.k_lbshd[:num_layers], v_lbshd=self.v_lbshd[:num_layers])

@@ -43,7 +43,7 @@ class Generation:
   """Results of one batch, on the host."""
   token_ids: list[list[int]]  # generated ids per row (EOS included when hit)
   rounds: int
-  accepted_per_round: list[list[int]]  # per row, n for each round the row was active
+  accepted_per_round: list[list[int]]  # per prompt, n for each round it was decoded
   stats: loop.RoundStats  # numpy arrays, [R, B, ...] trimmed to the rounds run
   seconds: float  # wall-clock of the decode call (compiled)
   compile_seconds: float
@@ -104,7 +104,16 @@ class SpeculativeDecoder:
 
   def generate(self, prompts: Sequence[Sequence[int]], verify: VerifyParams, *,
                num_draft: int = 4, max_new_tokens: int = 64, seed: int = 0,
-               eos_token_ids: Sequence[int] | None = None, pad_id: int = 0) -> Generation:
+               eos_token_ids: Sequence[int] | None = None, pad_id: int = 0,
+               batch_size: int | None = None) -> Generation:
+    """Decodes `prompts` (token lists). `batch_size`: rows decoded at once; None decodes
+    all prompts as one batch, a smaller value queues the rest and refills finished rows
+    (continuous batching; all prompts share one length bucket)."""
+    if batch_size is not None and not 1 <= batch_size <= len(prompts):
+      raise ValueError(f"batch_size={batch_size} must be in [1, {len(prompts)}] "
+                       "(the number of prompts) or None")
+    if batch_size == len(prompts):
+      batch_size = None
     if eos_token_ids is None:
       eos_token_ids = self.target.config.eos_token_ids
     spec = self._spec(verify, num_draft, max_new_tokens, eos_token_ids)
@@ -115,15 +124,17 @@ class SpeculativeDecoder:
             self.head_params if verify.method == "diversed" else None,
             jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed))
     if self.mesh is not None:
-      rows = mesh_lib.batch_sharded(self.mesh)
+      # A queue is read one prompt at a time by every device: replicate it.
+      rows = (mesh_lib.batch_sharded(self.mesh) if batch_size is None
+              else mesh_lib.replicated(self.mesh))
       args = (*mesh_lib.place(args[:3], mesh_lib.replicated(self.mesh)),
               *mesh_lib.place(args[3:5], rows), args[5])
     kwargs = dict(spec=spec, target_config=self.target.config,
                   draft=self.draft if uses_draft else None,
                   weight_fn=self.weight_fn if verify.method == "diversed" else None,
-                  cache_len=cache_len)
+                  cache_len=cache_len, batch_size=batch_size)
     compile_seconds = 0.0
-    signature = (spec, tokens.shape, cache_len)
+    signature = (spec, tokens.shape, cache_len, batch_size)
     if signature not in self._executables:
       start = time.perf_counter()
       self._executables[signature] = loop.decode.lower(*args, **kwargs).compile()
@@ -134,8 +145,8 @@ class SpeculativeDecoder:
     result = jax.device_get(result)
     rounds = int(result.num_rounds)
     stats = jax.tree.map(lambda x: np.asarray(x)[:rounds], result.stats)
-    token_ids = [row[:n].tolist() for row, n in zip(result.tokens_bn, result.num_generated_b)]
-    accepted = [stats.num_accepted_rb[stats.active_rb[:, b], b].tolist()
-                for b in range(len(prompts))]
+    token_ids = [row[:n].tolist() for row, n in zip(result.tokens_qn, result.num_generated_q)]
+    served = stats.active_rb[:, :, None] & (stats.prompt_rb[:, :, None] == np.arange(len(prompts)))
+    accepted = [stats.num_accepted_rb[served[:, :, q]].tolist() for q in range(len(prompts))]
     return Generation(token_ids=token_ids, rounds=rounds, accepted_per_round=accepted,
                       stats=stats, seconds=seconds, compile_seconds=compile_seconds)

@@ -7,7 +7,10 @@ Each round (all rows at once, no host synchronisation):
   3. the vectorised verification rule and `resolve_round` give each row its n leading
      accepts and one residual or bonus token;
   4. commit: each row appends its n + 1 tokens at its own write head and rolls its caches
-     back by moving their lengths; rows stop on EOS or max_new_tokens.
+     back by moving their lengths; rows stop on EOS or max_new_tokens;
+  5. refill (continuous batching, when more prompts than rows are given): every finished
+     row takes the next queued prompt, prefilled into that row's cache slots, so no row
+     idles while its batch waits for the slowest one.
 With K = 0 the same loop is plain autoregressive decoding (the baseline).
 
 Cache convention: after every round the target cache holds all committed tokens except
@@ -15,8 +18,9 @@ the last one (the "pending" token x0, whose logits are not yet computed); so doe
 draft cache, up to one extra token that the first draft step rewrites harmlessly (it feeds
 the last two committed tokens, recomputing identical keys and values for the first).
 
-Shape legend: B rows, P prompt bucket, K drafts per round, V vocabulary, D hidden,
-R rounds (at most max_new_tokens), N output buffer (max_new_tokens + K + 1).
+Shape legend: Q prompts, B rows decoded at once (B = Q without a queue), P prompt bucket,
+K drafts per round, V vocabulary, D hidden, R rounds (see `max_rounds`), N output buffer
+(max_new_tokens + K + 1).
 """
 
 from __future__ import annotations
@@ -65,15 +69,19 @@ class LoopSpec:
     """Draft forward steps per round: K, plus one for q_{K+1} with the ensemble rules."""
     return self.num_draft + (self.verify.method in BONUS_NEEDS_DRAFT)
 
-  @property
-  def max_rounds(self) -> int:
-    return self.max_new_tokens
+  def max_rounds(self, num_prompts: int, batch_size: int) -> int:
+    """Rounds that always suffice: every active row commits >= 1 token per round, and
+    while prompts are queued all B rows are active."""
+    if num_prompts == batch_size:
+      return self.max_new_tokens
+    return -(-num_prompts * self.max_new_tokens // batch_size) + self.max_new_tokens
 
 
 @flax.struct.dataclass
 class RoundStats:
   """Per-round statistics, [R, B, ...]; rows inactive in a round have active_rb False."""
   active_rb: jax.Array  # bool
+  prompt_rb: jax.Array  # int32, the prompt (index into the queue) a row served
   num_accepted_rb: jax.Array  # int32, n
   accept_prob_rbk: jax.Array  # a_i(x_i)
   beta_rbk: jax.Array  # 1 - TV(q_i, pi_i)
@@ -82,8 +90,8 @@ class RoundStats:
 
 @flax.struct.dataclass
 class DecodeResult:
-  tokens_bn: jax.Array  # generated ids; entries past num_generated_b are padding
-  num_generated_b: jax.Array
+  tokens_qn: jax.Array  # generated ids per prompt; entries past num_generated_q are padding
+  num_generated_q: jax.Array
   num_rounds: jax.Array  # rounds the loop ran (scalar)
   stats: RoundStats
 
@@ -96,7 +104,10 @@ class _State:
   draft_cache: Any
   last_two_b2: jax.Array  # the last two committed tokens; [:, 1] is the pending x0
   features_b2d: jax.Array  # target hidden states that predicted those two tokens
-  out_bn: jax.Array
+  prompt_b: jax.Array  # the prompt each row decodes
+  next_prompt: jax.Array  # the first queued prompt (Q when the queue is empty)
+  out_qn: jax.Array
+  num_generated_q: jax.Array
   num_generated_b: jax.Array
   done_b: jax.Array
   stats: RoundStats
@@ -185,11 +196,11 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
   round_tokens = jnp.where(positions_k1 == num_accepted[:, None], next_token[:, None],
                            round_tokens)
   committed_mask = positions_k1 <= num_accepted[:, None]
-  rows_b1 = jnp.arange(b)[:, None]
+  rows_b1 = state.prompt_b[:, None]  # rows write into their prompts' output rows
   active = ~state.done_b
   write_pos = state.num_generated_b[:, None] + positions_k1
-  out_bn = state.out_bn.at[rows_b1, write_pos].set(
-      jnp.where(active[:, None], round_tokens, state.out_bn[rows_b1, write_pos]))
+  out_qn = state.out_qn.at[rows_b1, write_pos].set(
+      jnp.where(active[:, None], round_tokens, state.out_qn[rows_b1, write_pos]))
 
   new_count = num_accepted + 1
   if spec.eos_token_ids:
@@ -226,6 +237,7 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
   stats = state.stats
   stats = RoundStats(
       active_rb=stats.active_rb.at[r].set(active),
+      prompt_rb=stats.prompt_rb.at[r].set(state.prompt_b),
       num_accepted_rb=stats.num_accepted_rb.at[r].set(num_accepted),
       accept_prob_rbk=stats.accept_prob_rbk.at[r].set(accept_prob),
       beta_rbk=stats.beta_rbk.at[r].set(beta),
@@ -237,31 +249,19 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
       draft_cache=draft_cache,
       last_two_b2=last_two,
       features_b2d=features,
-      out_bn=out_bn, num_generated_b=num_generated, done_b=done, stats=stats)
+      prompt_b=state.prompt_b, next_prompt=state.next_prompt,
+      out_qn=out_qn, num_generated_q=state.num_generated_q.at[state.prompt_b].set(num_generated),
+      num_generated_b=num_generated, done_b=done, stats=stats)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "target_config", "draft", "weight_fn",
-                                             "cache_len"))
-def decode(target_params, draft_params, head_params, prompt_bp, prompt_lengths_b, key, *,
-           spec: LoopSpec, target_config: ModelConfig, draft=None,
-           weight_fn: WeightFn | None = None, cache_len: int) -> DecodeResult:
-  """Prefills both models and runs the speculative loop; everything in one program.
+def _prefill(target_params, target_config: ModelConfig, draft, draft_params, prompt_bp,
+             prompt_lengths_b, cache_len: int):
+  """Fresh caches of both models holding each prompt but its last token (the pending x0).
 
-  Args:
-    prompt_bp: right-padded prompts [B, P] (P a bucket length), prompt_lengths_b >= 2.
-    draft: a draft object (see drafts.py) or None for autoregressive decoding.
-    weight_fn: the ensemble head for method 'diversed'.
-    cache_len: static cache slots, >= P + max_new_tokens + K + 1.
-  Returns:
-    DecodeResult with tokens_bn [B, max_new_tokens + K + 1].
+  Returns (target_cache, draft_cache or None, last_two_b2, features_b2d).
   """
-  b, _ = prompt_bp.shape
-  k = spec.num_draft
+  b = prompt_bp.shape[0]
   dtype = target_params["embed"].dtype
-  if spec.verify.method == "diversed" and weight_fn is None:
-    raise ValueError("method 'diversed' needs an ensemble head (weight_fn)")
-
-  # Prefill all but the last prompt token; it becomes the pending token x0.
   prefix = prompt_bp[:, :-1]
   hidden, target_cache = transformer.forward_hidden(
       target_params, target_config, prefix, KVCache.create(target_config, b, cache_len, dtype))
@@ -275,27 +275,95 @@ def decode(target_params, draft_params, head_params, prompt_bp, prompt_lengths_b
                                       draft.init_cache(b, cache_len, dtype),
                                       features_btd[:, :-1])
   last_idx_b2 = (prompt_lengths_b[:, None] - 2) + jnp.arange(2)
-  last_two = jnp.take_along_axis(prompt_bp, last_idx_b2, axis=1)
+  last_two = jnp.take_along_axis(prompt_bp, last_idx_b2, axis=1).astype(jnp.int32)
   features_b2d = jnp.take_along_axis(features_btd, last_idx_b2[:, :, None], axis=1)
+  return target_cache, draft_cache, last_two, features_b2d
 
-  rounds = spec.max_rounds
+
+def _refill(target_config: ModelConfig, draft, params, prompt_qp, prompt_lengths_q,
+            cache_len: int, state: _State) -> _State:
+  """Continuous batching: moves queued prompts into finished rows, one row at a time.
+
+  A refilled row gets a one-row prefill written over its cache slots (stale slots past the
+  new length are masked as after any roll-back) and starts with the next round.
+  """
+  target_params, draft_params, _ = params
+  num_prompts = prompt_qp.shape[0]
+
+  def refill_one(s: _State) -> _State:
+    row, n = jnp.argmax(s.done_b), s.next_prompt
+    target_cache, draft_cache, last_two, features = _prefill(
+        target_params, target_config, draft, draft_params,
+        jax.lax.dynamic_slice_in_dim(prompt_qp, n, 1),
+        jax.lax.dynamic_slice_in_dim(prompt_lengths_q, n, 1), cache_len)
+    return s.replace(
+        target_cache=s.target_cache.set_row(row, target_cache),
+        draft_cache=None if draft is None else s.draft_cache.set_row(row, draft_cache),
+        last_two_b2=s.last_two_b2.at[row].set(last_two[0]),
+        features_b2d=s.features_b2d.at[row].set(features[0].astype(s.features_b2d.dtype)),
+        prompt_b=s.prompt_b.at[row].set(n), next_prompt=n + 1,
+        num_generated_b=s.num_generated_b.at[row].set(0), done_b=s.done_b.at[row].set(False))
+
+  return jax.lax.while_loop(lambda s: jnp.any(s.done_b) & (s.next_prompt < num_prompts),
+                            refill_one, state)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "target_config", "draft", "weight_fn",
+                                             "cache_len", "batch_size"))
+def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key, *,
+           spec: LoopSpec, target_config: ModelConfig, draft=None,
+           weight_fn: WeightFn | None = None, cache_len: int,
+           batch_size: int | None = None) -> DecodeResult:
+  """Prefills both models and runs the speculative loop; everything in one program.
+
+  Args:
+    prompt_qp: right-padded prompts [Q, P] (P a bucket length), prompt_lengths_q >= 2.
+    draft: a draft object (see drafts.py) or None for autoregressive decoding.
+    weight_fn: the ensemble head for method 'diversed'.
+    cache_len: static cache slots, >= P + max_new_tokens + K + 1.
+    batch_size: rows decoded at once, B <= Q (None: all Q). With B < Q the first B
+      prompts start and the others queue; each finished row takes the next queued
+      prompt (continuous batching).
+  Returns:
+    DecodeResult with tokens_qn [Q, max_new_tokens + K + 1].
+  """
+  num_prompts = prompt_qp.shape[0]
+  b = num_prompts if batch_size is None else batch_size
+  if not 1 <= b <= num_prompts:
+    raise ValueError(f"batch_size={batch_size} must be in [1, {num_prompts}] (the prompts)")
+  k = spec.num_draft
+  if spec.verify.method == "diversed" and weight_fn is None:
+    raise ValueError("method 'diversed' needs an ensemble head (weight_fn)")
+
+  target_cache, draft_cache, last_two, features_b2d = _prefill(
+      target_params, target_config, draft, draft_params, prompt_qp[:b],
+      prompt_lengths_q[:b], cache_len)
+
+  rounds = spec.max_rounds(num_prompts, b)
   state = _State(
       round=jnp.zeros((), jnp.int32), key=key,
       target_cache=target_cache, draft_cache=draft_cache,
-      last_two_b2=last_two.astype(jnp.int32), features_b2d=features_b2d,
-      out_bn=jnp.zeros((b, spec.max_new_tokens + k + 1), jnp.int32),
+      last_two_b2=last_two, features_b2d=features_b2d,
+      prompt_b=jnp.arange(b, dtype=jnp.int32), next_prompt=jnp.asarray(b, jnp.int32),
+      out_qn=jnp.zeros((num_prompts, spec.max_new_tokens + k + 1), jnp.int32),
+      num_generated_q=jnp.zeros((num_prompts,), jnp.int32),
       num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.zeros((b,), bool),
       stats=RoundStats(
           active_rb=jnp.zeros((rounds, b), bool),
+          prompt_rb=jnp.zeros((rounds, b), jnp.int32),
           num_accepted_rb=jnp.zeros((rounds, b), jnp.int32),
           accept_prob_rbk=jnp.zeros((rounds, b, k), jnp.float32),
           beta_rbk=jnp.zeros((rounds, b, k), jnp.float32),
           weights_rbk=jnp.zeros((rounds, b, k + 1), jnp.float32)))
 
   params = (target_params, draft_params, head_params)
-  state = jax.lax.while_loop(
-      lambda s: (s.round < rounds) & ~jnp.all(s.done_b),
-      functools.partial(_round, spec, target_config, draft, weight_fn, params),
-      state)
-  return DecodeResult(tokens_bn=state.out_bn, num_generated_b=state.num_generated_b,
+  round_fn = functools.partial(_round, spec, target_config, draft, weight_fn, params)
+  if b < num_prompts:
+    refill = functools.partial(_refill, target_config, draft, params, prompt_qp,
+                               prompt_lengths_q, cache_len)
+    body = lambda s: refill(round_fn(s))
+  else:
+    body = round_fn
+  state = jax.lax.while_loop(lambda s: (s.round < rounds) & ~jnp.all(s.done_b), body, state)
+  return DecodeResult(tokens_qn=state.out_qn, num_generated_q=state.num_generated_q,
                       num_rounds=state.round, stats=state.stats)
