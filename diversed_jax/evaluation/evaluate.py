@@ -19,7 +19,6 @@ import os
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 
 from diversed_jax.digest import folder_digest
@@ -57,7 +56,7 @@ def row_figures(stats, prompt: int, num_tokens: int, speculative: bool,
                 with_weights: bool) -> dict:
   """Acceptance sums of one prompt of a call (see the module doc), via metrics.summarize:
   the rounds in which a row decoded that prompt."""
-  served = np.asarray(stats.active_rb, bool) & (np.asarray(stats.prompt_rb) == prompt)
+  served = metrics.served_mask(stats, prompt)
   prompt_stats = stats.replace(active_rb=served)
   figures = metrics.summarize(prompt_stats, num_tokens, speculative)
   rounds = figures["rounds"]

@@ -19,7 +19,7 @@ from diversed_jax.models import transformer
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
 from diversed_jax.parallel import mesh as mesh_lib
-from diversed_jax.speculative import loop
+from diversed_jax.speculative import loop, metrics
 from diversed_jax.speculative.types import VerifyParams
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -146,7 +146,7 @@ class SpeculativeDecoder:
     rounds = int(result.num_rounds)
     stats = jax.tree.map(lambda x: np.asarray(x)[:rounds], result.stats)
     token_ids = [row[:n].tolist() for row, n in zip(result.tokens_qn, result.num_generated_q)]
-    served = stats.active_rb[:, :, None] & (stats.prompt_rb[:, :, None] == np.arange(len(prompts)))
-    accepted = [stats.num_accepted_rb[served[:, :, q]].tolist() for q in range(len(prompts))]
+    accepted = [stats.num_accepted_rb[metrics.served_mask(stats, q)].tolist()
+                for q in range(len(prompts))]
     return Generation(token_ids=token_ids, rounds=rounds, accepted_per_round=accepted,
                       stats=stats, seconds=seconds, compile_seconds=compile_seconds)

@@ -10,6 +10,12 @@ import numpy as np
 from diversed_jax.speculative import acceptance
 
 
+def served_mask(stats, prompt: int) -> np.ndarray:
+  """[R, B] bool: the (round, row) pairs in which a row decoded `prompt` (rows take new
+  prompts under continuous batching, so a prompt's rounds are not one column)."""
+  return np.asarray(stats.active_rb, bool) & (np.asarray(stats.prompt_rb) == prompt)
+
+
 def summarize(stats, num_tokens: int, speculative: bool) -> dict:
   """Acceptance figures over all (row, round) pairs in which a row was active.
 
