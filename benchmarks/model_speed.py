@@ -60,8 +60,8 @@ class JaxRunner:
     self.step = step
 
   def _cache(self, batch: int, slots: int):
-    from diversed_jax.models import KVCache
-    return KVCache.create(self.config, batch, slots)
+    from diversed_jax.models import transformer
+    return transformer.init_cache(self.params, self.config, batch, slots)
 
   def prefill(self, prompts_bt: np.ndarray, slots: int) -> float:
     cache = self._cache(prompts_bt.shape[0], slots)

@@ -84,7 +84,7 @@ def test_feature_draft_incremental_matches_training_pass(target):
   logits_j, _ = draft.train_forward(params, tokens, feats, unroll=3)
   vocab_ids = params["frozen"]["vocab_ids"]
   # Teacher-forced prefix of 3 tokens, then two proposals fed with the draft's own features.
-  cache = draft.init_cache(1, 16, jnp.float32)
+  cache = draft.init_cache(params, 1, 16)
   logits, _, cache = draft.forward(params, tokens[:, :3], cache, feats[:, :3])
   np.testing.assert_allclose(logits[0][:, vocab_ids], logits_j[0, 0, :3], rtol=1e-4, atol=1e-4)
   logits, _, cache = draft.forward(params, tokens[:, 3:4], cache, None)
@@ -196,6 +196,6 @@ def test_shipped_draft_loads_as_the_default():
   draft, params, spec = build.load_draft(None, model)
   assert spec == artifacts.shipped_draft("smollm2-135m-instruct")
   assert isinstance(draft, architectures.DistilledDraft)
-  logits, _, _ = draft.forward(params, jnp.asarray([[1, 2, 3]]), draft.init_cache(1, 8, jnp.float32),
+  logits, _, _ = draft.forward(params, jnp.asarray([[1, 2, 3]]), draft.init_cache(params, 1, 8),
                                jnp.zeros((1, 3, model.config.hidden_size)))
   assert logits.shape == (1, 3, model.config.vocab_size)

@@ -175,26 +175,35 @@ def _called_from(comps: dict[str, list[str]], roots) -> set[str]:
 
 
 @pytest.mark.parametrize("batch_size", [None, 2])
-def test_round_loop_updates_the_caches_in_place(pair, batch_size):
+@pytest.mark.parametrize("method,unstack", [("sd", False), ("sd", True), ("ar", True)])
+def test_round_loop_updates_the_caches_in_place(pair, batch_size, method, unstack):
   """No cache-sized copy inside the compiled while loop: a copy there would move the whole
-  cache every round (at batch 8 on SmolLM2, 189 MB a round). Outside it (the zero
+  cache every round (at batch 8 on SmolLM2, 189 MB a round). Checked for the stacked
+  caches of scanned layers and the per-layer caches of unrolled ones (`unstack`: the
+  decoder's layouts, the target unrolled for K = 0). Outside the loop (the cache's
   initialisation) the same search finds one, so the search itself works."""
   target, draft, draft_params = pair
-  spec = loop.LoopSpec(verify=VerifyParams(method="sd"), num_draft=3, max_new_tokens=8)
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params, unstack=unstack)
+  k = 3 if method == "sd" else 0
+  spec = loop.LoopSpec(verify=VerifyParams(method=method), num_draft=k, max_new_tokens=8)
   prompts, lengths = jnp.ones((4, 32), jnp.int32), jnp.full((4,), 5, jnp.int32)
   text = loop.decode.lower(
-      target.params, draft_params, None, prompts, lengths, jax.random.PRNGKey(0), spec=spec,
-      target_config=target.config, draft=draft, cache_len=128,
-      batch_size=batch_size).compile().as_text()
+      dec.target_params(k), dec.draft_params if k else None, None, prompts, lengths,
+      jax.random.PRNGKey(0), spec=spec, target_config=target.config,
+      draft=draft if k else None, cache_len=128, batch_size=batch_size).compile().as_text()
   comps = _hlo_computations(text)
   loops = [re.search(r"body=%([\w.\-]+)", line).group(1) for line in comps["ENTRY"]
            if " while(" in line and 'op_name="jit(decode)/while"' in line]
   assert loops
   inside = _called_from(comps, loops)
   rows = batch_size or 4
-  for layers in (target.config.num_layers, draft.config.num_layers):
-    shape = re.escape(f"f32[{layers},{rows},128,{target.config.num_kv_heads},"
-                      f"{target.config.head_dim}]") + r"\{[^}]*\} copy(-start)?\("
+  caches = [(target.config.num_layers, unstack and k == 0)]  # (layers, per-layer layout)
+  if k:
+    caches.append((draft.config.num_layers, unstack))
+  for layers, per_layer in caches:
+    dims = (rows, 128, target.config.num_kv_heads, target.config.head_dim)
+    dims = dims if per_layer else (layers, *dims)
+    shape = re.escape(f"f32[{','.join(map(str, dims))}]") + r"\{[^}]*\} copy(-start)?\("
     copies = {name for name, lines in comps.items() for line in lines if re.search(shape, line)}
     assert copies, "the search found no cache copy anywhere: it is broken"
     assert not copies & inside, [line for name in copies & inside for line in comps[name]

@@ -144,7 +144,36 @@ def test_truncate_layers_is_the_first_layers():
   want = transformer.forward(rebuilt, small_cfg, jnp.asarray(tokens_bt))[0]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
   cache = KVCache.create(cfg, BATCH, 8).truncated(2)
-  assert cache.k_lbshd.shape[0] == 2
+  assert cache.k.shape[0] == 2
+  assert KVCache.create(cfg, BATCH, 8, per_layer=True).truncated(2).num_layers == 2
+
+
+def test_cache_layouts_hold_the_same_data():
+  """Stacked and per-layer caches convert exactly, and `set_row` (continuous batching)
+  writes the same row in both layouts, whatever the layout of the row it is given."""
+  cfg = config_lib.from_hf_config(hf_config("llama").to_dict())
+  rng = np.random.default_rng(0)
+  stacked = KVCache.create(cfg, 3, 8)
+  stacked = stacked.replace(k=jnp.asarray(rng.normal(size=stacked.k.shape), jnp.float32),
+                            v=jnp.asarray(rng.normal(size=stacked.v.shape), jnp.float32),
+                            lengths_b=jnp.asarray([1, 5, 2], jnp.int32))
+  per_layer = stacked.as_layout(per_layer=True)
+  assert per_layer.per_layer and len(per_layer.k) == cfg.num_layers
+  assert (per_layer.capacity, per_layer.batch_size) == (stacked.capacity, stacked.batch_size)
+  np.testing.assert_array_equal(np.asarray(per_layer.k[1]), np.asarray(stacked.k[1]))
+  np.testing.assert_array_equal(np.asarray(per_layer.as_layout(per_layer=False).v),
+                                np.asarray(stacked.v))
+  row = KVCache.create(cfg, 1, 8)
+  row = row.replace(k=row.k + 7.0, v=row.v - 7.0, lengths_b=jnp.asarray([4], jnp.int32))
+  for given in (row, row.as_layout(per_layer=True)):
+    want = stacked.set_row(jnp.asarray(1), given)
+    got = per_layer.set_row(jnp.asarray(1), given).as_layout(per_layer=False)
+    assert not want.per_layer
+    for a, b in ((want.k, got.k), (want.v, got.v), (want.lengths_b, got.lengths_b)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(want.k[:, 1]), 7.0)
+    np.testing.assert_array_equal(np.asarray(want.k[:, 0]), np.asarray(stacked.k[:, 0]))
+    assert np.asarray(want.lengths_b).tolist() == [1, 4, 2]
 
 
 @pytest.mark.parametrize("name,fuse", [("llama3_rope", False), ("llama", True), ("qwen2", True),
@@ -158,10 +187,19 @@ def test_unstacked_layers_match_stacked(name, fuse):
   assert ("qkv" in flat["layers"][0]) == fuse
   cache = KVCache.create(cfg, BATCH, 40)
   want, _, want_cache = transformer.forward_jit(params, cfg, jnp.asarray(tokens_bt), cache)
-  got, _, got_cache = transformer.forward_jit(flat, cfg, jnp.asarray(tokens_bt), cache)
+  # Unrolled layers run on either cache layout and keep it.
+  got_stacked, _, got_cache = transformer.forward_jit(flat, cfg, jnp.asarray(tokens_bt), cache)
+  got, _, per_layer_cache = transformer.forward_jit(
+      flat, cfg, jnp.asarray(tokens_bt), cache.as_layout(per_layer=True))
+  assert per_layer_cache.per_layer and not got_cache.per_layer
+  np.testing.assert_allclose(np.asarray(got_stacked), np.asarray(got), atol=1e-6, rtol=0)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
-  np.testing.assert_allclose(np.asarray(got_cache.k_lbshd), np.asarray(want_cache.k_lbshd),
-                             atol=1e-5, rtol=0)
+  for c in (got_cache, per_layer_cache.as_layout(per_layer=False)):
+    np.testing.assert_allclose(np.asarray(c.k), np.asarray(want_cache.k), atol=1e-5, rtol=0)
+  # The decoding layout: per-layer buffers with several rows, stacked with one.
+  assert transformer.init_cache(flat, cfg, 2, 8).per_layer
+  assert not transformer.init_cache(flat, cfg, 1, 8).per_layer
+  assert not transformer.init_cache(params, cfg, 2, 8).per_layer
   assert np.abs(np.asarray(got) - ref_btv).max() <= 1e-4
   step = jnp.asarray(tokens_bt[:, :1])
   np.testing.assert_allclose(

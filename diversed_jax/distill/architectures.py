@@ -102,8 +102,10 @@ class DistilledDraft:
       raise ValueError(f"a feature draft needs hidden_size == target width {self.target_hidden}"
                        f", got {self.config.hidden_size}")
 
-  def init_cache(self, batch: int, max_len: int, dtype):
-    kv = KVCache.create(self.config, batch, max_len, dtype)
+  def init_cache(self, params, batch: int, max_len: int):
+    dtype = params["frozen"]["embed"].dtype
+    kv = KVCache.create(self.config, batch, max_len, dtype,
+                        per_layer=isinstance(params["train"]["layers"], (tuple, list)))
     if self.kind == "independent":
       return kv
     return FeatureCache(kv, jnp.zeros((batch, self.target_hidden), dtype))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diversed_jax.models import transformer
-from diversed_jax.models.kv_cache import KVCache, bucket_length
+from diversed_jax.models.kv_cache import bucket_length
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 
@@ -106,8 +106,7 @@ def shard_plan(sources: dict, pattern: tuple[str, ...], batch: int, seed: int):
 def teacher_forced(params, config, tokens_bl, *, top_k: int, chunk: int = 128):
   """Target hidden states [B, L, D] and top-k (ids, log-probs) [B, L, K] at every position."""
   b, l = tokens_bl.shape
-  cache = KVCache.create(config, b, l, params["embed"].dtype)
-  hidden, _ = transformer.forward_hidden(params, config, tokens_bl, cache)
+  hidden, _ = transformer.forward_hidden(params, config, tokens_bl)
 
   def one_chunk(h_bcd):
     logp = jax.nn.log_softmax(transformer.logits_from_hidden(params, config, h_bcd), axis=-1)

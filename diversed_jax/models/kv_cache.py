@@ -31,22 +31,58 @@ def bucket_length(needed: int, buckets=CACHE_BUCKETS) -> int:
 
 @flax.struct.dataclass
 class KVCache:
-  k_lbshd: jax.Array  # [L, B, S, Hkv, Dh]
-  v_lbshd: jax.Array  # [L, B, S, Hkv, Dh]
+  """Keys and values of every layer, in one of two layouts of the same data:
+
+  stacked: `k`, `v` are arrays [L, B, S, Hkv, Dh], what `lax.scan` over stacked layers
+    carries (each layer writes its slice in place);
+  per-layer: `k`, `v` are tuples of L arrays [B, S, Hkv, Dh], for unrolled layers
+    (`transformer.unstack_layers`): each layer reads its own buffer. Reading a layer out
+    of a stacked cache copies it (on CPU that copy was 15% of a batch-8 decoding step).
+
+  `transformer.decoder_layers` brings a cache into its layers' layout (see `as_layout`).
+  """
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
   lengths_b: jax.Array  # [B] int32, committed tokens per row
 
   @classmethod
-  def create(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+  def create(cls, config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
+             per_layer: bool = False) -> "KVCache":
+    layer_shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    lengths = jnp.zeros((batch,), jnp.int32)
+    if per_layer:
+      zeros = lambda: tuple(jnp.zeros(layer_shape, dtype) for _ in range(config.num_layers))
+      return cls(zeros(), zeros(), lengths)
+    shape = (config.num_layers, *layer_shape)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), lengths)
+
+  @property
+  def per_layer(self) -> bool:
+    return isinstance(self.k, tuple)
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.k) if self.per_layer else self.k.shape[0]
 
   @property
   def capacity(self) -> int:
-    return self.k_lbshd.shape[2]
+    return self._layer_shape()[1]  # S
 
   @property
   def batch_size(self) -> int:
-    return self.k_lbshd.shape[1]
+    return self.lengths_b.shape[0]
+
+  def _layer_shape(self) -> tuple[int, ...]:
+    return self.k[0].shape if self.per_layer else self.k.shape[1:]
+
+  def as_layout(self, per_layer: bool) -> "KVCache":
+    """The same cache in the given layout (unchanged if it has it already; else a copy)."""
+    if per_layer == self.per_layer:
+      return self
+    if per_layer:
+      split = lambda x: tuple(x[i] for i in range(x.shape[0]))
+      return self.replace(k=split(self.k), v=split(self.v))
+    return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
   def with_lengths(self, lengths_b: jax.Array) -> "KVCache":
     """Rolls rows back (or forward) to `lengths_b` committed tokens."""
@@ -55,10 +91,13 @@ class KVCache:
   def set_row(self, row: jax.Array, row_cache: "KVCache") -> "KVCache":
     """Row `row` (a traced index) replaced by the one-row cache `row_cache` (continuous
     batching: a finished row takes a new prompt)."""
-    put = jax.lax.dynamic_update_slice_in_dim
-    return KVCache(put(self.k_lbshd, row_cache.k_lbshd.astype(self.k_lbshd.dtype), row, 1),
-                   put(self.v_lbshd, row_cache.v_lbshd.astype(self.v_lbshd.dtype), row, 1),
-                   put(self.lengths_b, row_cache.lengths_b, row, 0))
+    row_cache = row_cache.as_layout(self.per_layer)
+    batch_axis = 0 if self.per_layer else 1
+    put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(
+        old, new.astype(old.dtype), row, batch_axis)
+    return KVCache(jax.tree.map(put, self.k, row_cache.k), jax.tree.map(put, self.v, row_cache.v),
+                   jax.lax.dynamic_update_slice_in_dim(self.lengths_b, row_cache.lengths_b,
+                                                       row, 0))
 
   def truncated(self, num_layers: int) -> "KVCache":
-    return self.replace(k_lbshd=self.k_lbshd[:num_layers], v_lbshd=self.v_lbshd[:num_layers])
+    return self.replace(k=self.k[:num_layers], v=self.v[:num_layers])

@@ -148,25 +148,31 @@ def _attend(config, q_bthd, k_cache_bshd, v_cache_bshd, positions_bt, sliding):
   return jnp.einsum("bkgts,bskd->btkgd", p, v_cache_bshd).reshape(b, t, h * dh)
 
 
-def _write_layer(cache_lbshd, layer, positions_bt, new_bthd):
-  """Writes new keys or values of `layer` at each row's own offset, in place: the stacked
-  cache is a loop carry, so XLA updates it without copying (slicing it out per layer and
-  stacking it back, as scan's xs/ys would, copies the whole cache every step)."""
+def _write_layer(cache, index, positions_bt, new_bthd):
+  """Writes new keys or values at each row's own offset, in place: into a per-layer
+  buffer [B, S, Hkv, Dh] (index None) or into slice `index` of a stacked cache, which is a
+  loop carry, so XLA updates it without copying (slicing it out per layer and stacking it
+  back, as scan's xs/ys would, copies the whole cache every step)."""
   rows_b1 = jnp.arange(new_bthd.shape[0])[:, None]
-  return cache_lbshd.at[layer, rows_b1, positions_bt].set(new_bthd.astype(cache_lbshd.dtype))
+  at = (rows_b1, positions_bt) if index is None else (index, rows_b1, positions_bt)
+  return cache.at[at].set(new_bthd.astype(cache.dtype))
+
+
+def _read_layer(cache, index):
+  return cache if index is None else jax.lax.dynamic_index_in_dim(cache, index, keepdims=False)
 
 
 def _layer(config, lp, carry, positions_bt, inv_freq, sliding, index):
-  """One decoder layer on carry (x_btd, k_lbshd, v_lbshd); writes its keys and values
-  into the stacked caches at layer `index` and returns the new carry."""
+  """One decoder layer on carry (x_btd, k, v); writes its keys and values into the
+  layer's own buffers k, v [B, S, Hkv, Dh] (index None) or into slice `index` of stacked
+  caches [L, B, S, Hkv, Dh], and returns the new carry."""
   x, k_all, v_all = carry
   h = rms_norm(x, lp["attn_norm"], config.norm_eps, config.norm_offset)
   q, k, v = _project_qkv(config, lp, h, positions_bt, inv_freq)
   k_all = _write_layer(k_all, index, positions_bt, k)
   v_all = _write_layer(v_all, index, positions_bt, v)
-  attn = _attend(config, q, jax.lax.dynamic_index_in_dim(k_all, index, keepdims=False),
-                 jax.lax.dynamic_index_in_dim(v_all, index, keepdims=False), positions_bt,
-                 sliding) @ lp["o"]
+  attn = _attend(config, q, _read_layer(k_all, index), _read_layer(v_all, index),
+                 positions_bt, sliding) @ lp["o"]
   if config.sandwich_norm:
     attn = rms_norm(attn, lp["post_attn_norm"], config.norm_eps, config.norm_offset)
   x = x + attn
@@ -179,6 +185,17 @@ def _layer(config, lp, carry, positions_bt, inv_freq, sliding, index):
   if config.sandwich_norm:
     mlp = rms_norm(mlp, lp["post_mlp_norm"], config.norm_eps, config.norm_offset)
   return x + mlp, k_all, v_all
+
+
+def init_cache(params: Params, config: ModelConfig, batch: int, max_len: int) -> KVCache:
+  """An empty cache in the dtype of `params` and the layout fastest for them: per-layer
+  buffers for unrolled layers with several rows; stacked otherwise. (With one row, XLA:CPU
+  turns the per-layer write into an update that it fuses into both the attention and the
+  returned cache, and then copies every layer's buffer; the stacked slice copies that
+  per-layer buffers save are small at batch 1.)"""
+  unrolled = isinstance(params["layers"], (tuple, list))
+  return KVCache.create(config, batch, max_len, params["embed"].dtype,
+                        per_layer=unrolled and batch > 1)
 
 
 def forward_hidden(params: Params, config: ModelConfig, tokens_bt: jax.Array,
@@ -194,7 +211,7 @@ def forward_hidden(params: Params, config: ModelConfig, tokens_bt: jax.Array,
   """
   b, t = tokens_bt.shape
   if cache is None:
-    cache = KVCache.create(config, b, t, params["embed"].dtype)
+    cache = init_cache(params, config, b, t)
   x = params["embed"][tokens_bt]
   if config.embed_scale:
     x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
@@ -207,25 +224,35 @@ def decoder_layers(layers, config: ModelConfig, x_btd: jax.Array,
   """The decoder layers (stacked leaves run by `lax.scan`, or an unstacked tuple run
   unrolled) on input vectors [B, T, D] at positions cache.lengths_b + [0, T).
 
-  Returns (x_btd before the final norm, cache advanced by T). Drafts that build their own
-  inputs (feature drafts) call this directly.
+  Returns (x_btd before the final norm, cache advanced by T). Unrolled layers take a
+  cache in either layout (see `KVCache`, `init_cache`); scanned ones a stacked cache (a
+  per-layer one is converted, a copy).
+  Drafts that build their own inputs (feature drafts) call this directly.
   """
   t = x_btd.shape[1]
   positions_bt = cache.lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   inv_freq_l, sliding_l = layer_constants(config)
+  if isinstance(layers, (tuple, list)):  # unstacked: see `unstack_layers`
+    if cache.per_layer:
+      k_l, v_l = list(cache.k), list(cache.v)
+      for i, lp in enumerate(layers):
+        x_btd, k_l[i], v_l[i] = _layer(config, lp, (x_btd, k_l[i], v_l[i]), positions_bt,
+                                       inv_freq_l[i], sliding_l[i], None)
+      return x_btd, KVCache(tuple(k_l), tuple(v_l), cache.lengths_b + t)
+    carry = (x_btd, cache.k, cache.v)
+    for i, lp in enumerate(layers):
+      carry = _layer(config, lp, carry, positions_bt, inv_freq_l[i], sliding_l[i], i)
+    x, k_new, v_new = carry
+    return x, KVCache(k_new, v_new, cache.lengths_b + t)
+  cache = cache.as_layout(per_layer=False)
 
   def layer(carry, xs):
     lp, inv_freq, sliding, index = xs
     return _layer(config, lp, carry, positions_bt, inv_freq, sliding, index), None
 
-  carry = (x_btd, cache.k_lbshd, cache.v_lbshd)
-  if isinstance(layers, (tuple, list)):  # unstacked: see `unstack_layers`
-    for i, lp in enumerate(layers):
-      carry, _ = layer(carry, (lp, inv_freq_l[i], sliding_l[i], i))
-  else:
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    carry, _ = jax.lax.scan(layer, carry, (layers, inv_freq_l, sliding_l, layer_ids))
-  x, k_new, v_new = carry
+  layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+  (x, k_new, v_new), _ = jax.lax.scan(layer, (x_btd, cache.k, cache.v),
+                                      (layers, inv_freq_l, sliding_l, layer_ids))
   return x, KVCache(k_new, v_new, cache.lengths_b + t)
 
 

@@ -2,7 +2,8 @@
 
 A draft is a frozen (hashable, jit-static) object with
 
-  init_cache(batch, max_len, dtype) -> cache pytree
+  init_cache(params, batch, max_len) -> cache pytree (in the layout and dtype `params`
+      decode with: see `KVCache`)
   forward(params, tokens_bt, cache, target_hidden_btd) -> (logits_btv, hidden_btd, cache)
   inference_params(params) -> params in the layout fastest for decoding (optional)
 
@@ -33,8 +34,8 @@ class LMDraft:
   """An ordinary decoder LM sharing the target's vocabulary (also the `self:L` drafts)."""
   config: ModelConfig
 
-  def init_cache(self, batch: int, max_len: int, dtype) -> KVCache:
-    return KVCache.create(self.config, batch, max_len, dtype)
+  def init_cache(self, params, batch: int, max_len: int) -> KVCache:
+    return transformer.init_cache(params, self.config, batch, max_len)
 
   def inference_params(self, params):
     return transformer.unstack_layers(params)

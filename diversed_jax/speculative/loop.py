@@ -261,10 +261,10 @@ def _prefill(target_params, target_config: ModelConfig, draft, draft_params, pro
   Returns (target_cache, draft_cache or None, last_two_b2, features_b2d).
   """
   b = prompt_bp.shape[0]
-  dtype = target_params["embed"].dtype
   prefix = prompt_bp[:, :-1]
   hidden, target_cache = transformer.forward_hidden(
-      target_params, target_config, prefix, KVCache.create(target_config, b, cache_len, dtype))
+      target_params, target_config, prefix,
+      transformer.init_cache(target_params, target_config, b, cache_len))
   target_cache = target_cache.with_lengths(prompt_lengths_b - 1)
   # features_btd[:, t] = the target hidden state that predicted prompt token t (zeros at 0).
   features_btd = jnp.pad(hidden, ((0, 0), (1, 0), (0, 0)))
@@ -272,7 +272,7 @@ def _prefill(target_params, target_config: ModelConfig, draft, draft_params, pro
     draft_cache = None
   else:
     _, _, draft_cache = draft.forward(draft_params, prefix,
-                                      draft.init_cache(b, cache_len, dtype),
+                                      draft.init_cache(draft_params, b, cache_len),
                                       features_btd[:, :-1])
   last_idx_b2 = (prompt_lengths_b[:, None] - 2) + jnp.arange(2)
   last_two = jnp.take_along_axis(prompt_bp, last_idx_b2, axis=1).astype(jnp.int32)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diversed_jax.models import KVCache, transformer
+from diversed_jax.models import transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,15 +81,16 @@ def measure(decoder, batch: int, num_draft: int, cache_len: int,
   if decoder.draft is None:
     raise ValueError("step_costs.measure needs a decoder with a draft (draft=None)")
   target, draft = decoder.target, decoder.draft
-  dtype = target.params["embed"].dtype
   half = lambda: jnp.full((batch,), cache_len // 2, jnp.int32)
-  new_cache = lambda: KVCache.create(target.config, batch, cache_len, dtype).with_lengths(half())
+  new_cache = lambda params: transformer.init_cache(
+      params, target.config, batch, cache_len).with_lengths(half())
   target_step = functools.partial(_target_step, config=target.config)
   one = jnp.ones((batch, 1), jnp.int32)
   many = jnp.ones((batch, num_draft + 1), jnp.int32)
-  decode = _best_time(target_step, decoder.target_params(0), new_cache(), one, repeats)
-  verify = _best_time(target_step, decoder.target_params(num_draft), new_cache(), many, repeats)
-  draft_cache = draft.init_cache(batch, cache_len, dtype).with_lengths(half())
+  decode_params, verify_params = decoder.target_params(0), decoder.target_params(num_draft)
+  decode = _best_time(target_step, decode_params, new_cache(decode_params), one, repeats)
+  verify = _best_time(target_step, verify_params, new_cache(verify_params), many, repeats)
+  draft_cache = draft.init_cache(decoder.draft_params, batch, cache_len).with_lengths(half())
   draft_s = _best_time(functools.partial(_draft_step, draft=draft), decoder.draft_params,
                        draft_cache, one, repeats)
   return StepCosts(decode, verify, draft_s)

@@ -64,9 +64,8 @@ def teacher_forced(target_params, draft_params, tokens_bl, prompt_lengths_b, gen
   b, l = tokens_bl.shape
   hidden_p_bld, _ = transformer.forward_hidden(target_params, target_config, tokens_bl)
   features_bld = jnp.pad(hidden_p_bld[:, :-1], ((0, 0), (1, 0), (0, 0)))
-  dtype = target_params["embed"].dtype
   draft_logits_blv, hidden_q_bld, _ = draft.forward(
-      draft_params, tokens_bl, draft.init_cache(b, l, dtype), features_bld)
+      draft_params, tokens_bl, draft.init_cache(draft_params, b, l), features_bld)
 
   # Generated token j of row b sits at P_b + j and is predicted at P_b + j - 1.
   j_n = jnp.arange(num_new, dtype=jnp.int32)
