@@ -33,7 +33,10 @@ that raggedness: only the last prompts' tail is ragged.
 draft step + verification) / measured seconds (for ar: iterations x decoding step). It
 splits the efficiency into two factors, efficiency ~= calls(method) / calls(ar): a `calls`
 above 1 means the step costs were timed in a slower phase of the host than the decoding
-(this shared host's speed drifts), so read the pair, not one figure.
+(this shared host's speed drifts), so read the pair, not one figure. `eff/rep` is the same
+efficiency computed within each repeat (its own step costs, prefills and calls, measured
+minutes apart at most; methods run in a new random order every repeat), median over the
+repeats: a check on `efficiency`, whose best-of figures may come from different phases.
 """
 
 from __future__ import annotations
@@ -110,26 +113,43 @@ def main(argv):
                        max_new_tokens=_MAX_NEW.value)
     decoder.generate(batches[0], one_token, batch_size=rows, max_new_tokens=1)
     # Timings interleave methods and step costs over the repeats (the machine's speed
-    # drifts); every call (method and batch of prompts) keeps its best repeat, so a slow
-    # phase of the host spoils one call's sample, not a whole method's.
+    # drifts), in a new random order every repeat; every call (method and batch of
+    # prompts) keeps its best repeat, so a slow phase of the host spoils one call's
+    # sample, not a whole method's. Each repeat's own times are kept too (`eff/rep`).
     best_s = {m: np.full(len(batches), np.inf) for m in methods}
-    runs, costs, first_token_s = {}, [], np.full(len(batches), np.inf)
+    rep_s = {m: [] for m in methods}
+    runs, costs, first_token_reps = {}, [], []
+    order = np.random.default_rng(0)
     for _ in range(_REPEATS.value):
       costs.append(step_costs.measure(decoder, batch, k, cache_len))
       # One-token calls: the prefills (every prompt's, refills included) plus their rounds.
       _, seconds, first_token_rounds, _ = run_method(decoder, batches, one_token, 0, rows, 1)
-      first_token_s = np.minimum(first_token_s, seconds)
-      for m in methods:
+      first_token_reps.append(seconds)
+      for m in order.permutation(methods):
         runs[m] = run_method(decoder, batches, verify_params[m], k, rows)
         best_s[m] = np.minimum(best_s[m], runs[m][1])
+        rep_s[m].append(float(runs[m][1].sum()))
     best_s = {m: float(s.sum()) for m, s in best_s.items()}
-    first_token_s = float(first_token_s.sum())
     best_costs = step_costs.StepCosts.best(costs)
     decode_s, c, r = best_costs.decode_s, best_costs.c, best_costs.r
-    # The prompt's prefill is a fixed cost outside the rounds that the prediction models:
-    # the decoding phase = a call's time minus the prefill (the target's: the time of a
-    # one-token call minus one step; the draft's: c times it).
-    prefill_s = max(first_token_s - first_token_rounds * decode_s, 0.0)
+
+    def prefill_seconds(first_token_s, decode_s):
+      # The prompt's prefill is a fixed cost outside the rounds that the prediction models:
+      # the decoding phase = a call's time minus the prefill (the target's: the time of a
+      # one-token call minus one step; the draft's: c times it).
+      return max(float(first_token_s.sum()) - first_token_rounds * decode_s, 0.0)
+
+    prefill_s = prefill_seconds(np.min(first_token_reps, axis=0), decode_s)
+
+    def repeat_efficiency(m, tpr, steps):
+      """Median over repeats of the efficiency from that repeat's own times and costs."""
+      effs = []
+      for i, cost in enumerate(costs):
+        pre = prefill_seconds(first_token_reps[i], cost.decode_s)
+        ar_phase = rep_s["ar"][i] - pre
+        phase = rep_s[m][i] - pre * (1.0 + cost.c)
+        effs.append(ar_phase / phase / cost.predicted_speedup(tpr, steps))
+      return float(np.median(effs))
     layout = (f"{len(batches[0])} prompts per call, continuous batching" if queued
               else f"{len(batches)} calls")
     print(f"\nbatch {batch} ({layout}): target step {decode_s * 1e3:.1f} ms, verify/decode "
@@ -137,8 +157,8 @@ def main(argv):
           f"{prefill_s / len(batches) * 1e3:.0f} ms per call")
     print(f"{'method':10s} {'tok/s':>7s} {'speedup':>7s} {'| decoding phase:':>17s} "
           f"{'tok/s':>6s} {'speedup':>7s} {'predicted':>9s} {'efficiency':>10s} "
-          f"{'pred/batch':>10s} {'eff/batch':>9s} {'calls':>6s} {'accept':>7s} "
-          f"{'tok/round':>9s}")
+          f"{'eff/rep':>7s} {'pred/batch':>10s} {'eff/batch':>9s} {'calls':>6s} "
+          f"{'accept':>7s} {'tok/round':>9s}")
     ar_rate = ar_phase_rate = ar_tpr_batch = None
     for m in methods:
       tokens, _, batch_rounds, summaries = runs[m]
@@ -151,7 +171,7 @@ def main(argv):
         ar_rate, ar_phase_rate, ar_tpr_batch = rate, phase_rate, tpr_batch
         calls = batch_rounds * decode_s * phase_rate / tokens
         print(f"{m:10s} {rate:7.1f} {1.0:7.2f} {'':17s} {phase_rate:6.1f} {1.0:7.2f} "
-              f"{'':41s} {calls:6.2f}")
+              f"{'':49s} {calls:6.2f}")
         continue
       steps = loop.LoopSpec(verify_params[m], k).num_draft_steps
       round_s = steps * best_costs.draft_s + best_costs.verify_s
@@ -162,6 +182,7 @@ def main(argv):
       speedup = phase_rate / ar_phase_rate
       print(f"{m:10s} {rate:7.1f} {rate / ar_rate:7.2f} {'':17s} {phase_rate:6.1f} "
             f"{speedup:7.2f} {predicted:9.2f} {speedup / predicted:10.2f} "
+            f"{repeat_efficiency(m, tpr, steps):7.2f} "
             f"{predicted_batch:10.2f} {speedup / predicted_batch:9.2f} {calls:6.2f} "
             f"{accept:7.3f} {tpr:9.2f}", flush=True)
 

@@ -7,8 +7,9 @@ mean committed tokens per round and two cost ratios (methods.md):
 
 c = draft step / target decoding step, r = target verification over K+1 tokens / target
 decoding step. `measure` times the three calls as the loop makes them: in the parameter
-layouts the decoder uses for each, with the caches donated (updated in place; undonated,
-XLA copies the whole cache every call and a step looks up to 2x slower at batch 8).
+and cache layouts the decoder uses for each, inside one compiled loop (updated in place;
+undonated, XLA copies the whole cache every call and a step looks up to 2x slower at batch
+8; called one step at a time, the unrolled layout's dispatch added milliseconds a step).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diversed_jax.models import transformer
+from diversed_jax.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,48 +51,56 @@ class StepCosts:
                        for f in dataclasses.fields(StepCosts)))
 
 
-@functools.partial(jax.jit, static_argnames="config", donate_argnums=(1,))
-def _target_step(params, cache, tokens_bt, *, config):
-  """One target forward; the cache is written in place and rolled back, as in the loop."""
-  logits, _, new_cache = transformer.forward(params, config, tokens_bt, cache)
-  return logits, new_cache.with_lengths(cache.lengths_b)
+@functools.partial(jax.jit, static_argnames=("model", "num_steps"), donate_argnums=(1,))
+def _run_steps(params, cache, tokens_bt, *, model, num_steps: int):
+  """`num_steps` forwards of `model` (the target's ModelConfig or a draft object) in one
+  `fori_loop`, the cache updated in place and rolled back after each step, as the
+  speculative loop does. One call per measurement: a jitted call's own dispatch costs
+  milliseconds with the unrolled layout's hundreds of arrays, which the loop never pays per
+  step. Every step's logits are reduced (max) so no part of the forward is left out."""
+
+  def step(_, carry):
+    cache, acc = carry
+    if isinstance(model, ModelConfig):
+      logits, _, new_cache = transformer.forward(params, model, tokens_bt, cache)
+    else:
+      logits, _, new_cache = model.forward(params, tokens_bt, cache, None)
+    return new_cache.with_lengths(cache.lengths_b), acc + jnp.max(logits)
+
+  return jax.lax.fori_loop(0, num_steps, step, (cache, jnp.zeros((), jnp.float32)))
 
 
-@functools.partial(jax.jit, static_argnames="draft", donate_argnums=(1,))
-def _draft_step(params, cache, tokens_bt, *, draft):
-  logits, _, new_cache = draft.forward(params, tokens_bt, cache, None)
-  return logits, new_cache.with_lengths(cache.lengths_b)
-
-
-def _best_time(step, params, cache, tokens_bt, repeats: int) -> float:
-  logits, cache = step(params, cache, tokens_bt)  # compile (first call only) and warm up
-  logits.block_until_ready()
+def _best_time(model, params, cache, tokens_bt, repeats: int, num_steps: int) -> float:
+  """Best-of-`repeats` seconds per step."""
+  run = functools.partial(_run_steps, model=model, num_steps=num_steps)
+  cache, acc = run(params, cache, tokens_bt)  # compile (first call only) and warm up
+  acc.block_until_ready()
   best = np.inf
   for _ in range(repeats):
     start = time.perf_counter()
-    logits, cache = step(params, cache, tokens_bt)
-    logits.block_until_ready()
-    best = min(best, time.perf_counter() - start)
+    cache, acc = run(params, cache, tokens_bt)
+    acc.block_until_ready()
+    best = min(best, (time.perf_counter() - start) / num_steps)
   return best
 
 
-def measure(decoder, batch: int, num_draft: int, cache_len: int,
-            repeats: int = 5) -> StepCosts:
+def measure(decoder, batch: int, num_draft: int, cache_len: int, repeats: int = 5,
+            steps_per_call: int = 8) -> StepCosts:
   """Best-of-`repeats` seconds of a SpeculativeDecoder's three calls at `batch` rows, with
-  caches of `cache_len` slots half full. Needs a decoder with a draft."""
+  caches of `cache_len` slots half full, each timed over `steps_per_call` steps in one
+  compiled loop. Needs a decoder with a draft."""
   if decoder.draft is None:
     raise ValueError("step_costs.measure needs a decoder with a draft (draft=None)")
   target, draft = decoder.target, decoder.draft
-  half = lambda: jnp.full((batch,), cache_len // 2, jnp.int32)
-  new_cache = lambda params: transformer.init_cache(
-      params, target.config, batch, cache_len).with_lengths(half())
-  target_step = functools.partial(_target_step, config=target.config)
+  half = lambda cache: cache.with_lengths(jnp.full((batch,), cache_len // 2, jnp.int32))
+  time_it = lambda model, params, cache, tokens: _best_time(
+      model, params, half(cache), tokens, repeats, steps_per_call)
   one = jnp.ones((batch, 1), jnp.int32)
   many = jnp.ones((batch, num_draft + 1), jnp.int32)
   decode_params, verify_params = decoder.target_params(0), decoder.target_params(num_draft)
-  decode = _best_time(target_step, decode_params, new_cache(decode_params), one, repeats)
-  verify = _best_time(target_step, verify_params, new_cache(verify_params), many, repeats)
-  draft_cache = draft.init_cache(decoder.draft_params, batch, cache_len).with_lengths(half())
-  draft_s = _best_time(functools.partial(_draft_step, draft=draft), decoder.draft_params,
-                       draft_cache, one, repeats)
+  new_cache = lambda params: transformer.init_cache(params, target.config, batch, cache_len)
+  decode = time_it(target.config, decode_params, new_cache(decode_params), one)
+  verify = time_it(target.config, verify_params, new_cache(verify_params), many)
+  draft_s = time_it(draft, decoder.draft_params,
+                    draft.init_cache(decoder.draft_params, batch, cache_len), one)
   return StepCosts(decode, verify, draft_s)
