@@ -39,7 +39,8 @@ class KVCache:
     (`transformer.unstack_layers`): each layer reads its own buffer. Reading a layer out
     of a stacked cache copies it (on CPU that copy was 15% of a batch-8 decoding step).
 
-  `transformer.decoder_layers` brings a cache into its layers' layout (see `as_layout`).
+  `transformer.init_cache` picks the layout for a parameter layout and batch size;
+  unrolled layers run on either layout, scanned ones convert a per-layer cache (a copy).
   """
   k: jax.Array | tuple[jax.Array, ...]
   v: jax.Array | tuple[jax.Array, ...]
