@@ -119,13 +119,13 @@ def main(argv):
     best_s = {m: np.full(len(batches), np.inf) for m in methods}
     rep_s = {m: [] for m in methods}
     runs, costs, first_token_reps = {}, [], []
-    order = np.random.default_rng(0)
+    shuffle = np.random.default_rng(0)
     for _ in range(_REPEATS.value):
       costs.append(step_costs.measure(decoder, batch, k, cache_len))
       # One-token calls: the prefills (every prompt's, refills included) plus their rounds.
       _, seconds, first_token_rounds, _ = run_method(decoder, batches, one_token, 0, rows, 1)
       first_token_reps.append(seconds)
-      for m in order.permutation(methods):
+      for m in shuffle.permutation(methods):
         runs[m] = run_method(decoder, batches, verify_params[m], k, rows)
         best_s[m] = np.minimum(best_s[m], runs[m][1])
         rep_s[m].append(float(runs[m][1].sum()))

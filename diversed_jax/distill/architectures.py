@@ -105,7 +105,7 @@ class DistilledDraft:
   def init_cache(self, params, batch: int, max_len: int):
     dtype = params["frozen"]["embed"].dtype
     kv = KVCache.create(self.config, batch, max_len, dtype,
-                        per_layer=isinstance(params["train"]["layers"], (tuple, list)))
+                        per_layer=transformer.per_layer_cache(params["train"]["layers"], batch))
     if self.kind == "independent":
       return kv
     return FeatureCache(kv, jnp.zeros((batch, self.target_hidden), dtype))

@@ -25,7 +25,6 @@ Shape legend: B batch, T new tokens, S cache slots, D hidden, V vocabulary.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -187,15 +186,19 @@ def _layer(config, lp, carry, positions_bt, inv_freq, sliding, index):
   return x + mlp, k_all, v_all
 
 
+def per_layer_cache(layers, batch: int) -> bool:
+  """The cache layout fastest for `layers`: per-layer buffers for unrolled layers with
+  several rows; stacked otherwise. (With one row, XLA:CPU turns the per-layer write into an
+  update that it fuses into both the attention and the returned cache, and then copies
+  every layer's buffer; the stacked slice copies that per-layer buffers save are small at
+  batch 1.)"""
+  return isinstance(layers, (tuple, list)) and batch > 1
+
+
 def init_cache(params: Params, config: ModelConfig, batch: int, max_len: int) -> KVCache:
-  """An empty cache in the dtype of `params` and the layout fastest for them: per-layer
-  buffers for unrolled layers with several rows; stacked otherwise. (With one row, XLA:CPU
-  turns the per-layer write into an update that it fuses into both the attention and the
-  returned cache, and then copies every layer's buffer; the stacked slice copies that
-  per-layer buffers save are small at batch 1.)"""
-  unrolled = isinstance(params["layers"], (tuple, list))
+  """An empty cache in the dtype of `params` and the layout fastest for them."""
   return KVCache.create(config, batch, max_len, params["embed"].dtype,
-                        per_layer=unrolled and batch > 1)
+                        per_layer=per_layer_cache(params["layers"], batch))
 
 
 def forward_hidden(params: Params, config: ModelConfig, tokens_bt: jax.Array,
