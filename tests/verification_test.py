@@ -433,3 +433,25 @@ def test_tv_and_normalize_positive():
   np.testing.assert_allclose(distributions.overlap(a, b), 0.7, atol=1e-7)
   np.testing.assert_allclose(distributions.normalize_positive(b - a, a), [0, 0, 1], atol=1e-7)
   np.testing.assert_allclose(distributions.normalize_positive(a - a, b), b)
+
+
+@pytest.mark.parametrize("v", [5, 256, 1000])
+def test_blocked_argmax_matches_jnp_argmax(v):
+  # Integer-valued logits make ties common; the first maximal index must win, across
+  # blocks too (v = 1000 spans four blocks, the last one padded).
+  rng = np.random.default_rng(v)
+  z = rng.integers(-3, 4, size=(3, 7, v)).astype(np.float32)
+  z[0, 0] = -np.inf
+  z[0, 1, -1] = np.inf
+  z[1, 0, v // 2] = 10.0
+  got = distributions.argmax(jnp.asarray(z))
+  assert got.dtype == jnp.int32 and got.shape == (3, 7)
+  np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(z), axis=-1))
+
+
+def test_sample_logits_greedy_and_sampled():
+  z = jnp.log(jnp.array([[0.1, 0.6, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0]]))
+  key = jax.random.PRNGKey(3)
+  assert int(distributions.sample_logits(key, z, 0.0)[0]) == 1
+  draws = distributions.sample_logits(key, jnp.broadcast_to(z, (N, V)), 1.0)
+  assert tv(empirical(draws), np.exp(np.asarray(z[0]))) < TV_TOL

@@ -12,6 +12,42 @@ import jax
 import jax.numpy as jnp
 
 
+# Vocabulary-wide reductions run in blocks of this many tokens: XLA:CPU vectorises a plain
+# max or sum over a block but not the (value, index) reduction of argmax, and float32
+# running sums over a block stay accurate (see `sample_categorical`).
+_BLOCK = 256
+
+
+def _blocked(x_v: jax.Array, fill) -> jax.Array:
+  """x [..., V] padded with `fill` to whole blocks: [..., V / _BLOCK, _BLOCK]."""
+  *lead, v = x_v.shape
+  blocks = -(-v // _BLOCK)
+  padded = jnp.pad(x_v, [(0, 0)] * len(lead) + [(0, blocks * _BLOCK - v)], constant_values=fill)
+  return padded.reshape(*lead, blocks, _BLOCK)
+
+
+def argmax(x_v: jax.Array) -> jax.Array:
+  """jnp.argmax(x, axis=-1) as int32 for float x without NaN (the first maximal index).
+
+  The block holding the first maximum, then the index within it: 7x faster than
+  jnp.argmax over a 49k vocabulary on CPU (0.4 vs 2.9 ms for 8 x 4 rows), where
+  greedy decoding pays it for every drafted and verified position.
+  """
+  blocked = _blocked(x_v, -jnp.inf)
+  block = jnp.argmax(jnp.max(blocked, axis=-1), axis=-1)
+  within = jnp.take_along_axis(blocked, block[..., None, None], axis=-2)[..., 0, :]
+  return (block * _BLOCK + jnp.argmax(within, axis=-1)).astype(jnp.int32)
+
+
+def sample_logits(key: jax.Array, logits_v: jax.Array, temperature: float,
+                  top_p: float = 1.0) -> jax.Array:
+  """One token per leading index from softmax(logits / T) with top-p; argmax at T = 0
+  (no random draws). int32 [...]."""
+  if temperature == 0:
+    return argmax(logits_v)
+  return sample_categorical(key, scaled_probs(logits_v, temperature, top_p))
+
+
 def _top_p_filter(probs_v: jax.Array, top_p: float) -> jax.Array:
   """Keeps the smallest set of most likely tokens whose mass reaches top_p, renormalised.
 
@@ -36,7 +72,7 @@ def scaled_probs(logits_v: jax.Array, temperature, top_p: float = 1.0) -> jax.Ar
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
   logits = jnp.asarray(logits_v, jnp.float32)
-  greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  greedy = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
   if isinstance(temperature, (int, float)):
     if temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -74,12 +110,6 @@ def normalize_positive(x_v: jax.Array, fallback_v: jax.Array) -> jax.Array:
   return jnp.where(ok, pos / jnp.where(ok, total, 1.0), fallback_v)
 
 
-# Inverse-CDF sampling runs in two levels, blocks of this many tokens then a token within
-# the chosen block, so each running sum spans few terms (float32 rounding stays ~1e-5 of a
-# block's mass instead of ~1e-3 of the total over a 49k vocabulary).
-_SAMPLE_BLOCK = 256
-
-
 def _first_above(key: jax.Array, weights_n: jax.Array) -> jax.Array:
   """One draw per leading index from non-negative `weights_n` [..., n] by inverse CDF.
 
@@ -104,13 +134,11 @@ def sample_categorical(key: jax.Array, probs_v: jax.Array) -> jax.Array:
   cost 6x more on CPU (1.9 vs 0.3 ms per 49k-token row). Zero-probability tokens are never
   drawn.
   """
-  *lead, v = probs_v.shape
-  blocks = -(-v // _SAMPLE_BLOCK)
-  padded = jnp.pad(probs_v.astype(jnp.float32),
-                   [(0, 0)] * len(lead) + [(0, blocks * _SAMPLE_BLOCK - v)])
-  blocked = padded.reshape(*lead, blocks, _SAMPLE_BLOCK)
+  # Two levels keep each running sum short: float32 rounding stays ~1e-5 of a block's
+  # mass instead of ~1e-3 of the total over a 49k vocabulary.
+  blocked = _blocked(probs_v.astype(jnp.float32), 0.0)
   key_block, key_token = jax.random.split(key)
   block = _first_above(key_block, jnp.sum(blocked, axis=-1))
   within = jnp.take_along_axis(blocked, block[..., None, None], axis=-2)[..., 0, :]
   token = _first_above(key_token, within)
-  return (block * _SAMPLE_BLOCK + token).astype(jnp.int32)
+  return (block * _BLOCK + token).astype(jnp.int32)

@@ -131,10 +131,7 @@ def _draft_round(spec: LoopSpec, draft, draft_params, state: _State, key):
   first = (logits[:, -1], hidden[:, -1])
 
   def sample(key, logits_bv):
-    if vp.temperature == 0:  # greedy: skip the B x V random draws
-      return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    probs = distributions.scaled_probs(logits_bv, vp.temperature, vp.top_p)
-    return distributions.sample_categorical(key, probs)
+    return distributions.sample_logits(key, logits_bv, vp.temperature, vp.top_p)
 
   def step(carry, step_key):
     logits_bv, hidden_bd, cache = carry
@@ -176,9 +173,9 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
   zeros_bk = jnp.zeros((b, k), jnp.float32)
   weights = jnp.zeros((b, k + 1), jnp.float32)
   if k == 0:
-    probs = distributions.scaled_probs(target_logits[:, 0], vp.temperature, vp.top_p)
     num_accepted = jnp.zeros((b,), jnp.int32)
-    next_token = distributions.sample_categorical(verify_key, probs)
+    next_token = distributions.sample_logits(verify_key, target_logits[:, 0], vp.temperature,
+                                             vp.top_p)
     accept_prob, beta = zeros_bk, zeros_bk
   else:
     if vp.method == "diversed":
