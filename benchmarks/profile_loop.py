@@ -22,11 +22,9 @@ import tempfile
 from absl import app, flags
 import jax
 
-from diversed_jax import tokenizer as tokenizer_lib
-from diversed_jax.models import loading
-from diversed_jax.speculative import build
 from diversed_jax.speculative.types import VerifyParams
-from diversed_jax.tasks import get_task
+
+from bench_setup import gsm8k_test_prompts, load_decoder  # benchmarks/, beside this script
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct", "Target model.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft spec (default: the target's default).")
@@ -55,12 +53,8 @@ def op_times(trace_dir: str) -> tuple[collections.Counter, collections.Counter]:
 
 def main(argv):
   del argv
-  target = loading.load_model(_TARGET.value)
-  tokenizer = tokenizer_lib.load_tokenizer(_TARGET.value)
-  decoder, info = build.build_decoder(target, _DRAFT.value)
-  task = get_task("gsm8k")
-  prompts = [tokenizer_lib.encode_prompt(tokenizer, task.prompt(e), chat=True)
-             for e in task.load(split="test", limit=_BATCH.value)]
+  target, tokenizer, decoder, info = load_decoder(_TARGET.value, _DRAFT.value)
+  prompts = gsm8k_test_prompts(tokenizer, _BATCH.value)
   verify = VerifyParams(method=_METHOD.value, temperature=_TEMPERATURE.value)
   k = 0 if _METHOD.value == "ar" else _NUM_DRAFT.value
   run = lambda: decoder.generate(prompts, verify, num_draft=k, max_new_tokens=_MAX_NEW.value,

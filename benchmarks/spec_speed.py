@@ -44,13 +44,12 @@ from __future__ import annotations
 import numpy as np
 from absl import app, flags
 
-from diversed_jax import tokenizer as tokenizer_lib
-from diversed_jax.models import loading
 from diversed_jax.models.kv_cache import bucket_length
-from diversed_jax.speculative import build, loop, metrics, step_costs
+from diversed_jax.speculative import loop, metrics, step_costs
 from diversed_jax.speculative.decoder import PROMPT_BUCKETS
 from diversed_jax.speculative.types import VerifyParams
-from diversed_jax.tasks.registry import get_task
+
+from bench_setup import gsm8k_test_prompts, load_decoder  # benchmarks/, beside this script
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct", "Target model.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft spec (default: the target's default).")
@@ -84,14 +83,10 @@ def run_method(decoder, batches, verify, k, batch_size=None, max_new_tokens=None
 
 def main(argv):
   del argv
-  target = loading.load_model(_TARGET.value)
-  tokenizer = tokenizer_lib.load_tokenizer(_TARGET.value)
-  decoder, info = build.build_decoder(target, _DRAFT.value)
-  task = get_task("gsm8k")
-  examples = task.load(split="test", limit=max(
+  _, tokenizer, decoder, info = load_decoder(_TARGET.value, _DRAFT.value)
+  prompts = gsm8k_test_prompts(tokenizer, max(
       _QUEUE.value, max(int(b) for b in _BATCH_SIZES.value) *
       max(1, _NUM_PROMPTS.value // min(int(b) for b in _BATCH_SIZES.value))))
-  prompts = [tokenizer_lib.encode_prompt(tokenizer, task.prompt(e), chat=True) for e in examples]
   k = _NUM_DRAFT.value
   methods = ["ar"] + list(_METHODS.value)
   print(f"target={info['target']} draft={info['draft']} K={k} T={_TEMPERATURE.value} "

@@ -42,7 +42,7 @@ def argmax(x_v: jax.Array) -> jax.Array:
 def sample_logits(key: jax.Array, logits_v: jax.Array, temperature: float,
                   top_p: float = 1.0) -> jax.Array:
   """One token per leading index from softmax(logits / T) with top-p; argmax at T = 0
-  (no random draws). int32 [...]."""
+  (no random draws). `temperature` is a Python float (static under jit). int32 [...]."""
   if temperature == 0:
     return argmax(logits_v)
   return sample_categorical(key, scaled_probs(logits_v, temperature, top_p))

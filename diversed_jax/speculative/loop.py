@@ -130,8 +130,8 @@ def _draft_round(spec: LoopSpec, draft, draft_params, state: _State, key):
                                         state.features_b2d)
   first = (logits[:, -1], hidden[:, -1])
 
-  def sample(key, logits_bv):
-    return distributions.sample_logits(key, logits_bv, vp.temperature, vp.top_p)
+  sample = functools.partial(distributions.sample_logits, temperature=vp.temperature,
+                             top_p=vp.top_p)
 
   def step(carry, step_key):
     logits_bv, hidden_bd, cache = carry
