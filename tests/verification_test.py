@@ -50,6 +50,9 @@ PARAMS = {
     "typical": VerifyParams(method="typical", temperature=TEMP, typical_delta=0.5),
     **{f"cascade_{r}": VerifyParams(method="cascade", temperature=TEMP, cascade_rule=r,
                                     cascade_alpha=a) for r, a in CASCADE_ALPHA.items()},
+    # At temperature 1 the rule reuses the scaled laws for its deferral statistics.
+    "cascade_opt_t1": VerifyParams(method="cascade", temperature=1.0, cascade_rule="opt",
+                                   cascade_alpha=CASCADE_ALPHA["opt"]),
 }
 
 

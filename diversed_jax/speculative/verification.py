@@ -229,8 +229,11 @@ def cascade(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weigh
   del weights_bk1
   k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
   j = q.shape[1]
-  q1 = jax.nn.softmax(jnp.asarray(draft_logits_bjv, jnp.float32), axis=-1)
-  p1 = jax.nn.softmax(jnp.asarray(target_logits_bkv1[:, :j], jnp.float32), axis=-1)
+  if params.temperature == 1.0 and params.top_p == 1.0:
+    q1, p1 = q, p[:, :j]  # the scaled laws are the temperature-1 ones: two softmaxes saved
+  else:
+    q1 = jax.nn.softmax(jnp.asarray(draft_logits_bjv, jnp.float32), axis=-1)
+    p1 = jax.nn.softmax(jnp.asarray(target_logits_bkv1[:, :j], jnp.float32), axis=-1)
   pi = cascade_target(q, p[:, :j], q1, p1, params.cascade_rule, params.cascade_alpha)
   residual = normalize_positive(pi[:, :k] - q[:, :k], p[:, :k])
   return _verdict(q, _ratio_accept(pi, q), residual, _bonus(pi, p, k), draft_tokens_bk)
