@@ -65,4 +65,5 @@ def get_config():
   c.train.rescan_every = 50  # steps between rescans of the shard folder
   c.train.seed = 0  # init and batch sampling seed
   c.train.init_from = ""  # draft asset folder or workdir to fine-tune from ('' = fresh)
+  c.train.grow_layers = 0  # with init_from: layers appended, starting as the identity
   return c

@@ -170,6 +170,38 @@ def test_fine_tune_starts_from_a_draft_folder(target, shard_dir, tmp_path):
   assert len(tuned.train()) == 7
 
 
+def test_grown_draft_starts_as_the_trained_one(target, shard_dir, tmp_path):
+  """grow_layers appends identity layers: same logits and features at step 0, then trains."""
+  base = train.Trainer(_config(shard_dir, tmp_path / "base", "feature", steps=5), target,
+                       log=_quiet)
+  base.train()
+  base.export(str(tmp_path / "draft"))
+  c = _config(shard_dir, tmp_path / "grown", "feature", steps=4)
+  c.train.init_from = str(tmp_path / "draft")
+  c.train.grow_layers = 2
+  grown = train.Trainer(c, target, log=_quiet)
+  assert grown.draft.config.num_layers == base.draft.config.num_layers + 2
+  folder_draft, folder_params = artifacts.load_draft_folder(str(tmp_path / "draft"), target)
+  tokens = jnp.asarray([[3, 9, 4, 1, 7, 2]])
+  hidden, _ = transformer.forward_hidden(target.params, target.config, tokens)
+  feats = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))
+  want = folder_draft.train_forward(folder_params, tokens, feats, unroll=2)
+  got = grown.draft.train_forward({"train": grown.state["params"], "frozen": grown.frozen},
+                                  tokens, feats, unroll=2)
+  for w, g in zip(want, got):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+  losses = grown.train()
+  assert len(losses) == 4 and np.all(np.isfinite(losses))
+  assert np.any(np.asarray(grown.state["params"]["layers"]["o"][-1]) != 0)  # it learns
+  grown.export(str(tmp_path / "grown_draft"))
+  reloaded, _ = artifacts.load_draft_folder(str(tmp_path / "grown_draft"), target)
+  assert reloaded.config.num_layers == base.draft.config.num_layers + 2
+  c = _config(shard_dir, tmp_path / "bad", "feature")
+  c.train.grow_layers = 1  # without init_from there is nothing to grow
+  with pytest.raises(ValueError, match="train.grow_layers=1"):
+    train.Trainer(c, target, log=_quiet)
+
+
 def test_windows_and_vocab():
   rng = np.random.default_rng(0)
   seq = batches.Sequence(tokens=np.arange(10, dtype=np.int32), prompt_length=4,

@@ -271,6 +271,29 @@ def init_train_params(draft: DistilledDraft, key, target_params=None, std: float
   return train
 
 
+def grow_layers(draft: DistilledDraft, train_params, num_new: int):
+  """(draft, train_params) with `num_new` decoder layers appended that start as the identity.
+
+  Each new layer copies the draft's last layer with its attention output and MLP down
+  projections zeroed, so its residual branches add nothing: the grown draft computes the
+  same logits and features as before, and training starts from the trained draft instead
+  of from scratch (for a draft whose held-out and training acceptance have met, the limit
+  is its capacity, not its data). The zeroed projections get gradients at once (their
+  inputs are the copied layer's non-zero activations)."""
+  if num_new < 0:
+    raise ValueError(f"grow_layers needs num_new >= 0, got {num_new}")
+  if num_new == 0:
+    return draft, train_params
+  layers = train_params["layers"]
+  silent = {"o", "down"}
+  last = {name: leaf[-1:] for name, leaf in layers.items()}
+  new = {name: jnp.zeros_like(leaf) if name in silent else leaf for name, leaf in last.items()}
+  grown = {name: jnp.concatenate([layers[name]] + [new[name]] * num_new, axis=0)
+           for name in layers}
+  config = dataclasses.replace(draft.config, num_layers=draft.config.num_layers + num_new)
+  return dataclasses.replace(draft, config=config), {**train_params, "layers": grown}
+
+
 def frozen_params(target_params, vocab_ids) -> dict:
   """The frozen leaves built from the target: embedding and the kept head rows."""
   embed = jnp.asarray(target_params["embed"], jnp.float32)

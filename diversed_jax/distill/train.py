@@ -40,6 +40,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
       ("draft.vocab_keep", config.draft.vocab_keep >= 3),
       ("draft.num_layers", config.draft.num_layers >= 1),
       ("train.checkpoint_every", config.train.checkpoint_every >= 1),
+      ("train.grow_layers", config.train.grow_layers >= 0),
+      ("train.grow_layers", config.train.grow_layers == 0 or bool(config.train.init_from)),
   ]
   for field, ok in checks:
     if not ok:
@@ -142,6 +144,7 @@ class Trainer:
     init_meta = None
     if tc.init_from:
       draft, init_train, init_vocab, init_meta = artifacts.read_draft(tc.init_from)
+      draft, init_train = architectures.grow_layers(draft, init_train, tc.grow_layers)
     else:
       draft = _draft_from_config(self.config, self.target.config)
     self.draft = draft
