@@ -153,13 +153,25 @@ def test_resume_gives_the_same_losses(target, shard_dir, tmp_path):
   np.testing.assert_allclose(part + rest, whole, rtol=1e-5, atol=1e-6)
 
 
-def test_fine_tune_starts_from_a_draft_folder(target, shard_dir, tmp_path):
-  base = train.Trainer(_config(shard_dir, tmp_path / "base", "feature", steps=5), target,
-                       log=_quiet)
+@pytest.fixture(scope="module")
+def base_draft(target, shard_dir, tmp_path_factory):
+  """(trainer, folder): a feature draft trained 5 steps and exported to a draft folder."""
+  root = tmp_path_factory.mktemp("base")
+  base = train.Trainer(_config(shard_dir, root / "run", "feature", steps=5), target, log=_quiet)
   base.train()
-  base.export(str(tmp_path / "draft"))
-  c = _config(shard_dir, tmp_path / "ft", "independent", steps=7)
-  c.train.init_from = str(tmp_path / "draft")
+  base.export(str(root / "draft"))
+  return base, str(root / "draft")
+
+
+def _from_folder(shard_dir, workdir, kind, steps, folder):
+  c = _config(shard_dir, workdir, kind, steps=steps)
+  c.train.init_from = folder
+  return c
+
+
+def test_fine_tune_starts_from_a_draft_folder(target, shard_dir, tmp_path, base_draft):
+  base, folder = base_draft
+  c = _from_folder(shard_dir, tmp_path / "ft", "independent", 7, folder)
   tuned = train.Trainer(c, target, log=_quiet)
   assert tuned.draft == base.draft  # the architecture comes from the folder
   # The folder stores float16.
@@ -170,18 +182,14 @@ def test_fine_tune_starts_from_a_draft_folder(target, shard_dir, tmp_path):
   assert len(tuned.train()) == 7
 
 
-def test_grown_draft_starts_as_the_trained_one(target, shard_dir, tmp_path):
+def test_grown_draft_starts_as_the_trained_one(target, shard_dir, tmp_path, base_draft):
   """grow_layers appends identity layers: same logits and features at step 0, then trains."""
-  base = train.Trainer(_config(shard_dir, tmp_path / "base", "feature", steps=5), target,
-                       log=_quiet)
-  base.train()
-  base.export(str(tmp_path / "draft"))
-  c = _config(shard_dir, tmp_path / "grown", "feature", steps=4)
-  c.train.init_from = str(tmp_path / "draft")
+  base, folder = base_draft
+  c = _from_folder(shard_dir, tmp_path / "grown", "feature", 4, folder)
   c.train.grow_layers = 2
   grown = train.Trainer(c, target, log=_quiet)
   assert grown.draft.config.num_layers == base.draft.config.num_layers + 2
-  folder_draft, folder_params = artifacts.load_draft_folder(str(tmp_path / "draft"), target)
+  folder_draft, folder_params = artifacts.load_draft_folder(folder, target)
   tokens = jnp.asarray([[3, 9, 4, 1, 7, 2]])
   hidden, _ = transformer.forward_hidden(target.params, target.config, tokens)
   feats = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))
