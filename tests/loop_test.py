@@ -30,6 +30,14 @@ def pair():
   return target, drafts.LMDraft(draft_config), draft_params
 
 
+@pytest.fixture(scope="module")
+def two_layer_pair(pair):
+  """`pair` with a two-layer draft: with a one-layer, one-row stacked cache XLA:CPU copies
+  the draft's cache every round (a degenerate layout that no shipped draft has)."""
+  draft_config, draft_params = _tiny(1, layers=2)
+  return pair[0], drafts.LMDraft(draft_config), draft_params
+
+
 def _fixed_weight_fn(w):
   def weight_fn(head_params, h_q, h_p):
     del head_params, h_p
@@ -70,15 +78,17 @@ def test_unstacked_decoding_layout_gives_the_same_results(pair):
   target, draft, draft_params = pair
   fast = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
   plain = decoder_lib.SpeculativeDecoder(target, draft, draft_params, unstack=False)
-  # The fast layout: unrolled draft and AR target; the verifying target stays stacked.
+  # The fast layout: unrolled draft, AR target and verifying target for several rows; a
+  # single row's verifying target stays stacked.
   assert isinstance(fast.draft_params["layers"], tuple)
   assert isinstance(fast.target_params(0)["layers"], tuple)
-  assert isinstance(fast.target_params(3)["layers"], dict)
+  assert isinstance(fast.target_params(3, batch=2)["layers"], tuple)
+  assert isinstance(fast.target_params(3, batch=1)["layers"], dict)
   assert isinstance(plain.target_params(0)["layers"], dict)
-  for method, k in (("sd", 3), ("ar", 0)):
+  for method, k, rows in (("sd", 3, None), ("sd", 3, 1), ("ar", 0, None)):
     vp = VerifyParams(method=method, temperature=1.0)
-    a, b = (d.generate(PROMPTS, vp, num_draft=k, max_new_tokens=12, seed=3, eos_token_ids=())
-            for d in (fast, plain))
+    a, b = (d.generate(PROMPTS, vp, num_draft=k, max_new_tokens=12, seed=3, eos_token_ids=(),
+                       batch_size=rows) for d in (fast, plain))
     assert a.token_ids == b.token_ids
     np.testing.assert_allclose(a.stats.accept_prob_rbk, b.stats.accept_prob_rbk, atol=1e-5)
 
@@ -174,21 +184,26 @@ def _called_from(comps: dict[str, list[str]], roots) -> set[str]:
   return seen
 
 
-@pytest.mark.parametrize("batch_size", [None, 2])
+@pytest.mark.parametrize("num_prompts,batch_size", [(4, None), (4, 2), (1, None)])
 @pytest.mark.parametrize("method,unstack", [("sd", False), ("sd", True), ("ar", True)])
-def test_round_loop_updates_the_caches_in_place(pair, batch_size, method, unstack):
+def test_round_loop_updates_the_caches_in_place(two_layer_pair, num_prompts, batch_size,
+                                                method, unstack):
   """No cache-sized copy inside the compiled while loop: a copy there would move the whole
   cache every round (at batch 8 on SmolLM2, 189 MB a round). Checked for the stacked
   caches of scanned layers and the per-layer caches of unrolled ones (`unstack`: the
-  decoder's layouts, the target unrolled for K = 0). Outside the loop (the cache's
-  initialisation) the same search finds one, so the search itself works."""
-  target, draft, draft_params = pair
+  decoder's layouts, the target unrolled except for one row's verification). Outside the
+  loop (the cache's initialisation) the same search finds one, so the search itself
+  works."""
+  target, draft, draft_params = two_layer_pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params, unstack=unstack)
   k = 3 if method == "sd" else 0
   spec = loop.LoopSpec(verify=VerifyParams(method=method), num_draft=k, max_new_tokens=8)
-  prompts, lengths = jnp.ones((4, 32), jnp.int32), jnp.full((4,), 5, jnp.int32)
+  prompts = jnp.ones((num_prompts, 32), jnp.int32)
+  lengths = jnp.full((num_prompts,), 5, jnp.int32)
+  rows = batch_size or num_prompts
+  target_params = dec.target_params(k, rows)
   text = loop.decode.lower(
-      dec.target_params(k), dec.draft_params if k else None, None, prompts, lengths,
+      target_params, dec.draft_params if k else None, None, prompts, lengths,
       jax.random.PRNGKey(0), spec=spec, target_config=target.config,
       draft=draft if k else None, cache_len=128, batch_size=batch_size).compile().as_text()
   comps = _hlo_computations(text)
@@ -196,10 +211,11 @@ def test_round_loop_updates_the_caches_in_place(pair, batch_size, method, unstac
            if " while(" in line and 'op_name="jit(decode)/while"' in line]
   assert loops
   inside = _called_from(comps, loops)
-  rows = batch_size or 4
-  caches = [(target.config.num_layers, unstack and k == 0)]  # (layers, per-layer layout)
+  # (layers, per-layer layout): per-layer buffers for unrolled layers with several rows.
+  caches = [(target.config.num_layers,
+             isinstance(target_params["layers"], tuple) and rows > 1)]
   if k:
-    caches.append((draft.config.num_layers, unstack))
+    caches.append((draft.config.num_layers, unstack and rows > 1))
   for layers, per_layer in caches:
     dims = (rows, 128, target.config.num_kv_heads, target.config.head_dim)
     dims = dims if per_layer else (layers, *dims)

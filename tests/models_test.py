@@ -184,7 +184,10 @@ def test_unstacked_layers_match_stacked(name, fuse):
   cfg, params, tokens_bt, ref_btv = case(name)
   flat = transformer.unstack_layers(params, fuse=fuse)
   assert isinstance(flat["layers"], tuple) and len(flat["layers"]) == cfg.num_layers
-  assert ("qkv" in flat["layers"][0]) == fuse
+  assert ("qkv_oi" in flat["layers"][0]) == fuse
+  # Every matrix is stored [out, in]: o maps H * Dh -> D.
+  assert "o" not in flat["layers"][0]
+  assert flat["layers"][0]["o_oi"].shape == (cfg.hidden_size, cfg.num_heads * cfg.head_dim)
   cache = KVCache.create(cfg, BATCH, 40)
   want, _, want_cache = transformer.forward_jit(params, cfg, jnp.asarray(tokens_bt), cache)
   # Unrolled layers run on either cache layout and keep it.

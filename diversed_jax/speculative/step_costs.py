@@ -97,7 +97,7 @@ def measure(decoder, batch: int, num_draft: int, cache_len: int, repeats: int = 
       model, params, half(cache), tokens, repeats, steps_per_call)
   one = jnp.ones((batch, 1), jnp.int32)
   many = jnp.ones((batch, num_draft + 1), jnp.int32)
-  decode_params, verify_params = decoder.target_params(0), decoder.target_params(num_draft)
+  decode_params, verify_params = decoder.target_params(0), decoder.target_params(num_draft, batch)
   new_cache = lambda params: transformer.init_cache(params, target.config, batch, cache_len)
   decode = time_it(target.config, decode_params, new_cache(decode_params), one)
   verify = time_it(target.config, verify_params, new_cache(verify_params), many)
