@@ -458,3 +458,53 @@ def test_sample_logits_greedy_and_sampled():
   assert int(distributions.sample_logits(key, z, 0.0)[0]) == 1
   draws = distributions.sample_logits(key, jnp.broadcast_to(z, (N, V)), 1.0)
   assert tv(empirical(draws), np.exp(np.asarray(z[0]))) < TV_TOL
+
+
+@pytest.mark.parametrize("method", verification.POINT_MASS_RULES)
+@pytest.mark.parametrize("draft_positions", ["K", "K+1"])
+def test_greedy_round_on_two_tokens_matches_the_full_rule(method, draft_positions):
+  """At temperature 0 the two-token round gives the full rule's acceptance, beta and
+  number of accepts for the same key, draws from the same law at n (mapped back to the
+  vocabulary), and the same tokens wherever that law is a point mass."""
+  rng = np.random.default_rng(3)
+  b, vocab = 64, 50
+  j = K + (draft_positions == "K+1")
+  dl = rng.normal(size=(b, j, vocab)).astype(np.float32)
+  tl = rng.normal(size=(b, K + 1, vocab)).astype(np.float32)
+  agree = rng.random((b, j)) < 0.6  # argmax p = argmax q at ~60% of positions
+  dl[agree] = tl[:, :j][agree]
+  weights = jnp.asarray(rng.uniform(0.1, 0.9, size=(b, K + 1)), jnp.float32)
+  params = VerifyParams(method=method, temperature=0.0, weight=0.4, lenience=0.5,
+                        epsilon=0.3, typical_delta=0.5)
+  dl, tl = jnp.asarray(dl), jnp.asarray(tl)
+  w = weights if method == "diversed" else None
+  drafts = distributions.argmax(dl[:, :K])
+  key = jax.random.PRNGKey(5)
+  full = verification.get_rule(method)(dl, tl, drafts, params, w)
+  full_out = verification.resolve_round(full, drafts, key)
+  small, out = verification.greedy_round(dl, tl, params, w, key)
+  np.testing.assert_allclose(small.accept_prob_bk, full.accept_prob_bk, atol=1e-6)
+  np.testing.assert_allclose(small.beta_bk, full.beta_bk, atol=1e-6)
+  np.testing.assert_array_equal(out.num_accepted_b, full_out.num_accepted_b)
+  assert 0 < int(np.sum(out.num_accepted_b)) < b * K  # both accepts and rejections ran
+  # The law at n, mapped back to the vocabulary by the slots [argmax p, argmax q].
+  n = np.asarray(out.num_accepted_b)
+  rows = np.arange(b)
+  full_laws = np.concatenate([np.asarray(full.residual_bkv),
+                              np.asarray(full.bonus_bv)[:, None]], axis=1)[rows, n]
+  small_laws = np.concatenate([np.asarray(small.residual_bkv),
+                               np.asarray(small.bonus_bv)[:, None]], axis=1)[rows, n]
+  p_star = np.asarray(distributions.argmax(tl))[rows, n]
+  q_full = np.concatenate([np.asarray(distributions.argmax(dl)),
+                           np.asarray(distributions.argmax(tl))[:, j:]], axis=1)[rows, n]
+  mapped = np.zeros((b, vocab))
+  np.add.at(mapped, (rows, p_star), small_laws[:, 0])
+  np.add.at(mapped, (rows, q_full), small_laws[:, 1])
+  np.testing.assert_allclose(mapped, full_laws, atol=1e-6)
+  next_tok = np.asarray(out.next_token_b)
+  assert np.all(full_laws[rows, next_tok] > 0)
+  point = full_laws.max(axis=1) > 1 - 1e-6
+  assert point.any()
+  np.testing.assert_array_equal(next_tok[point], np.asarray(full_out.next_token_b)[point])
+  np.testing.assert_array_equal(np.asarray(out.tokens_bk1)[point],
+                                np.asarray(full_out.tokens_bk1)[point])

@@ -180,10 +180,15 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
   else:
     if vp.method == "diversed":
       weights = weight_fn(head_params, draft_hidden, target_hidden)
-    verdict = verification.get_rule(vp.method)(
-        draft_logits, target_logits, drafts_bk, vp,
-        weights if vp.method == "diversed" else None)
-    outcome = verification.resolve_round(verdict, drafts_bk, verify_key)
+    weights_bk1 = weights if vp.method == "diversed" else None
+    if vp.temperature == 0 and vp.method in verification.POINT_MASS_RULES:
+      # Greedy drafts and one-hot laws: the rule runs on two tokens per position.
+      verdict, outcome = verification.greedy_round(draft_logits, target_logits, vp,
+                                                   weights_bk1, verify_key)
+    else:
+      verdict = verification.get_rule(vp.method)(draft_logits, target_logits, drafts_bk, vp,
+                                                 weights_bk1)
+      outcome = verification.resolve_round(verdict, drafts_bk, verify_key)
     num_accepted, next_token = outcome.num_accepted_b, outcome.next_token_b
     accept_prob, beta = verdict.accept_prob_bk, verdict.beta_bk
 

@@ -32,6 +32,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from diversed_jax.speculative import distributions
 from diversed_jax.speculative.distributions import (normalize_positive, sample_categorical,
                                                     scaled_probs, tv_distance)
 from diversed_jax.speculative.types import CASCADE_RULES, METHODS, Verdict, VerifyParams
@@ -405,3 +406,47 @@ def resolve_round(verdict: Verdict, draft_tokens_bk: jax.Array, key: jax.Array) 
                          jnp.where(positions == n_b[:, None], next_b[:, None], -1))
   return RoundOutcome(num_accepted_b=n_b, next_token_b=next_b, accepted_bk=accepted_bk,
                       tokens_bk1=tokens_bk1)
+
+
+# ------------------------------------------------------------- greedy rounds on two tokens
+
+# Rules whose verdict at temperature 0 depends on p and q only through their argmax tokens
+# (not cascade, whose deferral reads the temperature-1 laws, nor the logit mixture, whose
+# argmax can be a third token).
+POINT_MASS_RULES = ("sd", "lossy", "static", "diversed", "mentored", "typical")
+
+
+def greedy_round(draft_logits_bjv, target_logits_bkv1, params: VerifyParams, weights_bk1,
+                 key) -> tuple[Verdict, RoundOutcome]:
+  """A round at temperature 0 for a rule in POINT_MASS_RULES, with drafts x_i = argmax q_i
+  (what greedy drafting proposes; the drafts are not an argument).
+
+  At T = 0 every law a rule builds is supported on {argmax p_i, argmax q_i}, so the rule
+  runs on that two-token vocabulary per position ([B, K+1, 2] instead of [B, K+1, V]) and
+  the drawn token is mapped back: the same verdict statistics and law as the full rule,
+  without a vocabulary-wide pass beyond the two argmaxes.
+
+  Returns (verdict, outcome); the verdict's laws are over the two slots [argmax p,
+  argmax q] of each position, its acceptance and beta those of the full rule.
+  """
+  k = target_logits_bkv1.shape[1] - 1
+  p_star = distributions.argmax(target_logits_bkv1)  # [B, K+1]
+  q_star = distributions.argmax(draft_logits_bjv)  # [B, J]
+  j = q_star.shape[1]
+  # Slot 0 holds argmax p, slot 1 argmax q (when q is absent at K+1 or agrees, argmax p).
+  q_pad = jnp.concatenate([q_star, p_star[:, j:]], axis=1)
+  support_bk12 = jnp.stack([p_star, q_pad], axis=-1)
+  draft_slot_bj = (q_star != p_star[:, :j]).astype(jnp.int32)
+  point = lambda slot: jnp.where(jnp.arange(2) == slot[..., None], 0.0, -jnp.inf)
+  verdict = get_rule(params.method)(point(draft_slot_bj),
+                                    point(jnp.zeros_like(p_star)), draft_slot_bj[:, :k],
+                                    params, weights_bk1)
+  outcome = resolve_round(verdict, draft_slot_bj[:, :k], key)
+  n = outcome.num_accepted_b
+  at_n = jnp.take_along_axis(support_bk12, n[:, None, None], axis=1)[:, 0]
+  next_b = jnp.take_along_axis(at_n, outcome.next_token_b[:, None], axis=1)[:, 0]
+  tokens_bk1 = jnp.where(outcome.tokens_bk1 < 0, -1,
+                         jnp.take_along_axis(support_bk12, jnp.maximum(outcome.tokens_bk1, 0)
+                                             [..., None], axis=-1)[..., 0])
+  return verdict, outcome.replace(next_token_b=next_b, tokens_bk1=tokens_bk1)
+
