@@ -442,11 +442,9 @@ def greedy_round(draft_logits_bjv, target_logits_bkv1, params: VerifyParams, wei
                                     point(jnp.zeros_like(p_star)), draft_slot_bj[:, :k],
                                     params, weights_bk1)
   outcome = resolve_round(verdict, draft_slot_bj[:, :k], key)
-  n = outcome.num_accepted_b
-  at_n = jnp.take_along_axis(support_bk12, n[:, None, None], axis=1)[:, 0]
-  next_b = jnp.take_along_axis(at_n, outcome.next_token_b[:, None], axis=1)[:, 0]
-  tokens_bk1 = jnp.where(outcome.tokens_bk1 < 0, -1,
-                         jnp.take_along_axis(support_bk12, jnp.maximum(outcome.tokens_bk1, 0)
-                                             [..., None], axis=-1)[..., 0])
+  slots_bk1 = outcome.tokens_bk1  # slot indices, -1 after n
+  tokens_bk1 = jnp.where(slots_bk1 < 0, -1, jnp.take_along_axis(
+      support_bk12, jnp.maximum(slots_bk1, 0)[..., None], axis=-1)[..., 0])
+  next_b = jnp.take_along_axis(tokens_bk1, outcome.num_accepted_b[:, None], axis=1)[:, 0]
   return verdict, outcome.replace(next_token_b=next_b, tokens_bk1=tokens_bk1)
 
