@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diversed_jax.models import transformer
+from diversed_jax.models import products, transformer
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.init import init_params
 from diversed_jax.models.kv_cache import KVCache
@@ -54,8 +54,8 @@ def head_logits(params, hidden_btd, draft_hidden: int, target_hidden: int,
   h = hidden_btd
   if draft_hidden != target_hidden:
     h = h @ params["train"]["head_proj"]
-  small = jnp.einsum("btd,vd->btv", h, params["frozen"]["head_embed"],
-                     preferred_element_type=jnp.float32)
+  small = products.matmul_oi(h, params["frozen"]["head_embed"],
+                             preferred_element_type=jnp.float32)
   if not full_vocab:
     return small
   b, t, _ = small.shape

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diversed_jax.models.config import ModelConfig, rope_frequencies
+from diversed_jax.models import products
 from diversed_jax.models.kv_cache import KVCache
 
 Params = dict
@@ -72,7 +73,7 @@ def layer_constants(config: ModelConfig):
 def _dense(x, lp, name):
   """x @ W for layer matrix `name`, stored [in, out] or, as `<name>_oi`, [out, in]."""
   if name + "_oi" in lp:
-    return jnp.einsum("...i,oi->...o", x, lp[name + "_oi"])
+    return products.matmul_oi(x, lp[name + "_oi"])
   return x @ lp[name]
 
 
@@ -273,8 +274,7 @@ def logits_from_hidden(params: Params, config: ModelConfig, hidden: jax.Array) -
   if config.tie_embeddings:
     # Contract against the embedding's own [V, D] layout: `embed.T` made XLA copy the whole
     # (largest) matrix every call.
-    logits = jnp.einsum("...d,vd->...v", hidden, params["embed"],
-                        preferred_element_type=jnp.float32)
+    logits = products.matmul_oi(hidden, params["embed"], preferred_element_type=jnp.float32)
   else:
     logits = jnp.matmul(hidden, params["lm_head"], preferred_element_type=jnp.float32)
   if config.final_logit_softcap is not None:
