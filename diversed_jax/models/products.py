@@ -15,6 +15,8 @@ Other backends (GPU, TPU), other dtypes and more rows keep the plain dot.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -35,9 +37,7 @@ def uses_fused_form(num_rows: int, dtype) -> bool:
 def matmul_oi(x: jax.Array, w_oi: jax.Array, preferred_element_type=None) -> jax.Array:
   """x [..., in] times w_oi [out, in] contracted on `in`: [..., out]."""
   lead = x.shape[:-1]
-  rows = 1
-  for n in lead:
-    rows *= n
+  rows = math.prod(lead)
   if not uses_fused_form(rows, jnp.result_type(x, w_oi)):
     return jnp.einsum("...i,oi->...o", x, w_oi, preferred_element_type=preferred_element_type)
   x_mi = x.reshape(rows, x.shape[-1])
