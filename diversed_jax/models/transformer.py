@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diversed_jax.models.config import ModelConfig, rope_frequencies
 from diversed_jax.models import products
+from diversed_jax.models.config import ModelConfig, rope_frequencies
 from diversed_jax.models.kv_cache import KVCache
 
 Params = dict
@@ -71,7 +71,8 @@ def layer_constants(config: ModelConfig):
 
 
 def _dense(x, lp, name):
-  """x @ W for layer matrix `name`, stored [in, out] or, as `<name>_oi`, [out, in]."""
+  """x @ W for layer matrix `name`, stored [in, out] or, as `<name>_oi`, [out, in] (then
+  through `products.matmul_oi`, which runs products over a few rows in a faster form)."""
   if name + "_oi" in lp:
     return products.matmul_oi(x, lp[name + "_oi"])
   return x @ lp[name]
@@ -317,7 +318,8 @@ def unstack_layers(params: Params, fuse: bool = True) -> Params:
   before every matmul, so batch-1 decoding reads the weights about twice. Unstacked
   weights are read in place (see benchmarks/README.md) at the price of a longer compile
   (the layers are unrolled). The [out, in] storage makes XLA:CPU's products over several
-  rows faster (verifying 5 tokens for 8 rows: -15%) and one-row products no slower. Use
+  rows faster (verifying 5 tokens for 8 rows: -15%), one-row products no slower, and
+lets `products.matmul_oi` take its fused few-row form (2-32 rows: a further 8-27%). Use
   for inference; keep the stacked form for training and checkpoints (`stack_layers`
   converts back).
   """
