@@ -319,7 +319,7 @@ def unstack_layers(params: Params, fuse: bool = True) -> Params:
   weights are read in place (see benchmarks/README.md) at the price of a longer compile
   (the layers are unrolled). The [out, in] storage makes XLA:CPU's products over several
   rows faster (verifying 5 tokens for 8 rows: -15%), one-row products no slower, and
-lets `products.matmul_oi` take its fused few-row form (2-32 rows: a further 8-27%). Use
+  lets `products.matmul_oi` take its fused few-row form (2-32 rows: a further 8-27%). Use
   for inference; keep the stacked form for training and checkpoints (`stack_layers`
   converts back).
   """
