@@ -460,22 +460,36 @@ def test_sample_logits_greedy_and_sampled():
   assert tv(empirical(draws), np.exp(np.asarray(z[0]))) < TV_TOL
 
 
-@pytest.mark.parametrize("method", verification.POINT_MASS_RULES)
+_TWO_TOKEN_CASES = ([(m, "opt") for m in verification.POINT_MASS_RULES] +
+                    [("cascade", rule) for rule in CASCADE_RULES])
+
+
+@pytest.mark.parametrize("method,cascade_rule", _TWO_TOKEN_CASES)
 @pytest.mark.parametrize("draft_positions", ["K", "K+1"])
-def test_greedy_round_on_two_tokens_matches_the_full_rule(method, draft_positions):
+def test_greedy_round_on_two_tokens_matches_the_full_rule(method, cascade_rule,
+                                                          draft_positions):
   """At temperature 0 the two-token round gives the full rule's acceptance, beta and
   number of accepts for the same key, draws from the same law at n (mapped back to the
   vocabulary), and the same tokens wherever that law is a point mass."""
   rng = np.random.default_rng(3)
   b, vocab = 64, 50
   j = K + (draft_positions == "K+1")
-  dl = rng.normal(size=(b, j, vocab)).astype(np.float32)
-  tl = rng.normal(size=(b, K + 1, vocab)).astype(np.float32)
+  # Logits of varied sharpness, so the temperature-1 maxima that cascade's deferral reads
+  # range from ~1/V to ~1 and both of its branches occur.
+  sharp = lambda *shape: rng.normal(size=shape) * rng.uniform(0.5, 6.0, size=shape[:-1] + (1,))
+  dl = sharp(b, j, vocab).astype(np.float32)
+  tl = sharp(b, K + 1, vocab).astype(np.float32)
   agree = rng.random((b, j)) < 0.6  # argmax p = argmax q at ~60% of positions
   dl[agree] = tl[:, :j][agree]
   weights = jnp.asarray(rng.uniform(0.1, 0.9, size=(b, K + 1)), jnp.float32)
   params = VerifyParams(method=method, temperature=0.0, weight=0.4, lenience=0.5,
-                        epsilon=0.3, typical_delta=0.5)
+                        epsilon=0.3, typical_delta=0.5, cascade_rule=cascade_rule,
+                        cascade_alpha=0.3)
+  if method == "cascade":  # both deferral outcomes occur where the argmaxes differ
+    keeps = np.asarray(verification.cascade_greedy_keeps_draft(dl, tl[:, :j], cascade_rule,
+                                                               0.3))
+    differ = np.asarray(distributions.argmax(dl) != distributions.argmax(tl[:, :j]))
+    assert 0 < int(keeps[differ].sum()) < int(differ.sum())
   dl, tl = jnp.asarray(dl), jnp.asarray(tl)
   w = weights if method == "diversed" else None
   drafts = distributions.argmax(dl[:, :K])

@@ -181,7 +181,7 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
     if vp.method == "diversed":
       weights = weight_fn(head_params, draft_hidden, target_hidden)
     weights_bk1 = weights if vp.method == "diversed" else None
-    if vp.temperature == 0 and vp.method in verification.POINT_MASS_RULES:
+    if vp.temperature == 0 and vp.method in verification.TWO_TOKEN_RULES:
       # Greedy drafts and one-hot laws: the rule runs on two tokens per position.
       verdict, outcome = verification.greedy_round(draft_logits, target_logits, vp,
                                                    weights_bk1, verify_key)

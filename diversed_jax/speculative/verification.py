@@ -189,6 +189,27 @@ def static_logit(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params,
 # ------------------------------------------------------------------------------ cascade
 
 
+def _keeps_draft(rule: str, alpha: float, max_q1, max_p1, tv_q1p1):
+  """chow/diff/opt: whether pi stays with the draft (delta = 0), from the temperature-1
+  laws' maxima and (opt) their TV distance; broadcasts."""
+  if rule == "chow":
+    return max_q1 >= 1.0 - alpha
+  if rule == "diff":
+    return max_q1 >= max_p1 - alpha
+  return max_q1 >= max_p1 - alpha * tv_q1p1
+
+
+def _in_draft_set(rule: str, alpha: float, q1, p1, max_p1):
+  """v1/v2/v3: whether tokens with temperature-1 probabilities q1, p1 are in A; elementwise."""
+  if rule == "v1":
+    return q1 >= max_p1 - alpha
+  if rule == "v2":
+    return p1 >= max_p1 - alpha
+  if rule == "v3":
+    return p1 >= (1.0 - alpha) * max_p1
+  raise ValueError(f"unknown cascade_rule {rule!r}; choices: {CASCADE_RULES}")
+
+
 def cascade_target(q_v, p_v, q1_v, p1_v, rule: str, alpha: float):
   """SpecCascade's token-level target pi [..., V].
 
@@ -202,23 +223,30 @@ def cascade_target(q_v, p_v, q1_v, p1_v, rule: str, alpha: float):
   max_q1 = jnp.max(q1_v, axis=-1, keepdims=True)
   max_p1 = jnp.max(p1_v, axis=-1, keepdims=True)
   if rule in ("chow", "diff", "opt"):
-    if rule == "chow":
-      keep = max_q1 >= 1.0 - alpha
-    elif rule == "diff":
-      keep = max_q1 >= max_p1 - alpha
-    else:
-      keep = max_q1 >= max_p1 - alpha * tv_distance(q1_v, p1_v)[..., None]
-    return jnp.where(keep, q_v, p_v)
-  if rule == "v1":
-    in_a = q1_v >= max_p1 - alpha
-  elif rule == "v2":
-    in_a = p1_v >= max_p1 - alpha
-  elif rule == "v3":
-    in_a = p1_v >= (1.0 - alpha) * max_p1
-  else:
-    raise ValueError(f"unknown cascade_rule {rule!r}; choices: {CASCADE_RULES}")
-  q_in_a = jnp.where(in_a, q_v, 0.0)
+    tv = tv_distance(q1_v, p1_v)[..., None] if rule == "opt" else None
+    return jnp.where(_keeps_draft(rule, alpha, max_q1, max_p1, tv), q_v, p_v)
+  q_in_a = jnp.where(_in_draft_set(rule, alpha, q1_v, p1_v, max_p1), q_v, 0.0)
   return q_in_a + (1.0 - jnp.sum(q_in_a, axis=-1, keepdims=True)) * p_v
+
+
+def cascade_greedy_keeps_draft(draft_logits_bjv, target_logits_bjv, rule: str, alpha: float):
+  """Whether SpecCascade's pi at temperature 0 is the draft's point mass; [B, J] bool.
+
+  At T = 0 the scaled laws are one-hot at q* = argmax q and p* = argmax p, so pi is one of
+  the two: q when the rule keeps the draft (chow/diff/opt) or when q* is in A (v1/v2/v3,
+  where q(A) = 1[q* in A]), else p. The temperature-1 laws enter only through max q1,
+  max p1, TV(q1, p1) (opt) and q1(q*), p1(q*) (v rules): per-position scalars, which lets
+  the greedy round run on two tokens like the other rules.
+  """
+  q1 = jax.nn.softmax(jnp.asarray(draft_logits_bjv, jnp.float32), axis=-1)
+  p1 = jax.nn.softmax(jnp.asarray(target_logits_bjv, jnp.float32), axis=-1)
+  max_q1, max_p1 = jnp.max(q1, axis=-1), jnp.max(p1, axis=-1)
+  if rule in ("chow", "diff", "opt"):
+    tv = tv_distance(q1, p1) if rule == "opt" else None
+    return _keeps_draft(rule, alpha, max_q1, max_p1, tv)
+  q_star = distributions.argmax(draft_logits_bjv)[..., None]
+  at_q_star = lambda x: jnp.take_along_axis(x, q_star, axis=-1)[..., 0]
+  return _in_draft_set(rule, alpha, at_q_star(q1), at_q_star(p1), max_p1)
 
 
 def cascade(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None):
@@ -410,25 +438,31 @@ def resolve_round(verdict: Verdict, draft_tokens_bk: jax.Array, key: jax.Array) 
 
 # ------------------------------------------------------------- greedy rounds on two tokens
 
-# Rules whose verdict at temperature 0 depends on p and q only through their argmax tokens
-# (not cascade, whose deferral reads the temperature-1 laws, nor the logit mixture, whose
-# argmax can be a third token).
+# Rules whose verdict at temperature 0 depends on p and q only through their argmax tokens.
 POINT_MASS_RULES = ("sd", "lossy", "static", "diversed", "mentored", "typical")
+# Rules `greedy_round` runs: those, and cascade, whose deferral also reads per-position
+# scalars of the temperature-1 laws (`cascade_greedy_keeps_draft`). Not the logit mixture,
+# whose argmax can be a third token.
+TWO_TOKEN_RULES = POINT_MASS_RULES + ("cascade",)
 
 
 def greedy_round(draft_logits_bjv, target_logits_bkv1, params: VerifyParams, weights_bk1,
                  key) -> tuple[Verdict, RoundOutcome]:
-  """A round at temperature 0 for a rule in POINT_MASS_RULES, with drafts x_i = argmax q_i
+  """A round at temperature 0 for a rule in TWO_TOKEN_RULES, with drafts x_i = argmax q_i
   (what greedy drafting proposes; the drafts are not an argument).
 
   At T = 0 every law a rule builds is supported on {argmax p_i, argmax q_i}, so the rule
   runs on that two-token vocabulary per position ([B, K+1, 2] instead of [B, K+1, V]) and
   the drawn token is mapped back: the same verdict statistics and law as the full rule,
-  without a vocabulary-wide pass beyond the two argmaxes.
+  without a vocabulary-wide pass beyond the two argmaxes (and, for cascade, the
+  temperature-1 scalars its deferral reads). Cascade's pi is then a point mass on one of
+  the two slots, verified as exact SD against that point mass.
 
   Returns (verdict, outcome); the verdict's laws are over the two slots [argmax p,
   argmax q] of each position, its acceptance and beta those of the full rule.
   """
+  if params.method not in TWO_TOKEN_RULES:
+    raise ValueError(f"greedy_round runs the rules {TWO_TOKEN_RULES}, not {params.method!r}")
   k = target_logits_bkv1.shape[1] - 1
   p_star = distributions.argmax(target_logits_bkv1)  # [B, K+1]
   q_star = distributions.argmax(draft_logits_bjv)  # [B, J]
@@ -438,13 +472,18 @@ def greedy_round(draft_logits_bjv, target_logits_bkv1, params: VerifyParams, wei
   support_bk12 = jnp.stack([p_star, q_pad], axis=-1)
   draft_slot_bj = (q_star != p_star[:, :j]).astype(jnp.int32)
   point = lambda slot: jnp.where(jnp.arange(2) == slot[..., None], 0.0, -jnp.inf)
-  verdict = get_rule(params.method)(point(draft_slot_bj),
-                                    point(jnp.zeros_like(p_star)), draft_slot_bj[:, :k],
-                                    params, weights_bk1)
+  target_slot_bk1 = jnp.zeros_like(p_star)
+  rule = get_rule(params.method)
+  if params.method == "cascade":
+    keeps = cascade_greedy_keeps_draft(draft_logits_bjv, target_logits_bkv1[:, :j],
+                                       params.cascade_rule, params.cascade_alpha)
+    target_slot_bk1 = target_slot_bk1.at[:, :j].set(jnp.where(keeps, draft_slot_bj, 0))
+    rule = exact
+  verdict = rule(point(draft_slot_bj), point(target_slot_bk1), draft_slot_bj[:, :k], params,
+                 weights_bk1)
   outcome = resolve_round(verdict, draft_slot_bj[:, :k], key)
   slots_bk1 = outcome.tokens_bk1  # slot indices, -1 after n
   tokens_bk1 = jnp.where(slots_bk1 < 0, -1, jnp.take_along_axis(
       support_bk12, jnp.maximum(slots_bk1, 0)[..., None], axis=-1)[..., 0])
   next_b = jnp.take_along_axis(tokens_bk1, outcome.num_accepted_b[:, None], axis=1)[:, 0]
   return verdict, outcome.replace(next_token_b=next_b, tokens_bk1=tokens_bk1)
-
