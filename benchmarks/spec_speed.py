@@ -27,7 +27,10 @@ BATCH round (tokens / (batch rounds x B)), relative to the same figure of autore
 decoding (below 1 when rows stop early on EOS): the loop's own overhead without the
 raggedness of the batch. `--queue=Q` (Q > B) decodes Q prompts per call with B rows and
 continuous batching instead (a finished row takes the next prompt), which removes most of
-that raggedness: only the last prompts' tail is ragged.
+that raggedness: only the last prompts' tail is ragged. `busy` = the rows' occupancy, active
+row-rounds / (batch rounds x B), so pred/batch = predicted x busy(method) / busy(ar): a
+per-row efficiency below eff/batch is a method's rows idling more than AR's (a lossy rule
+changes the text, hence every prompt's length and when the tail runs out), not loop cost.
 
 `calls` = the model calls' share of the decoding phase: loop iterations x (draft_steps x
 draft step + verification) / measured seconds (for ar: iterations x decoding step). It
@@ -153,7 +156,7 @@ def main(argv):
     print(f"{'method':10s} {'tok/s':>7s} {'speedup':>7s} {'| decoding phase:':>17s} "
           f"{'tok/s':>6s} {'speedup':>7s} {'predicted':>9s} {'efficiency':>10s} "
           f"{'eff/rep':>7s} {'pred/batch':>10s} {'eff/batch':>9s} {'calls':>6s} "
-          f"{'accept':>7s} {'tok/round':>9s}")
+          f"{'busy':>5s} {'accept':>7s} {'tok/round':>9s}")
     ar_rate = ar_phase_rate = ar_tpr_batch = None
     for m in methods:
       tokens, _, batch_rounds, summaries = runs[m]
@@ -162,11 +165,12 @@ def main(argv):
       tpr = tokens / sum(s["rounds"] for s in summaries)  # per row and round
       # A batch runs until its slowest row is done: per-row tokens per BATCH round.
       tpr_batch = tokens / (batch_rounds * batch)
+      busy = sum(s["rounds"] for s in summaries) / (batch_rounds * batch)
       if m == "ar":
         ar_rate, ar_phase_rate, ar_tpr_batch = rate, phase_rate, tpr_batch
         calls = batch_rounds * decode_s * phase_rate / tokens
         print(f"{m:10s} {rate:7.1f} {1.0:7.2f} {'':17s} {phase_rate:6.1f} {1.0:7.2f} "
-              f"{'':49s} {calls:6.2f}")
+              f"{'':49s} {calls:6.2f} {busy:5.2f}")
         continue
       steps = loop.LoopSpec(verify_params[m], k).num_draft_steps
       round_s = steps * best_costs.draft_s + best_costs.verify_s
@@ -179,7 +183,7 @@ def main(argv):
             f"{speedup:7.2f} {predicted:9.2f} {speedup / predicted:10.2f} "
             f"{repeat_efficiency(m, tpr, steps):7.2f} "
             f"{predicted_batch:10.2f} {speedup / predicted_batch:9.2f} {calls:6.2f} "
-            f"{accept:7.3f} {tpr:9.2f}", flush=True)
+            f"{busy:5.2f} {accept:7.3f} {tpr:9.2f}", flush=True)
 
 
 if __name__ == "__main__":
