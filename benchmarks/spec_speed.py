@@ -162,10 +162,11 @@ def main(argv):
       tokens, _, batch_rounds, summaries = runs[m]
       rate = tokens / best_s[m]
       phase_rate = tokens / (best_s[m] - prefill_s * (1.0 if m == "ar" else 1.0 + c))
-      tpr = tokens / sum(s["rounds"] for s in summaries)  # per row and round
+      row_rounds = sum(s["rounds"] for s in summaries)  # rounds in which a row was active
+      tpr = tokens / row_rounds  # per row and round
       # A batch runs until its slowest row is done: per-row tokens per BATCH round.
       tpr_batch = tokens / (batch_rounds * batch)
-      busy = sum(s["rounds"] for s in summaries) / (batch_rounds * batch)
+      busy = row_rounds / (batch_rounds * batch)
       if m == "ar":
         ar_rate, ar_phase_rate, ar_tpr_batch = rate, phase_rate, tpr_batch
         calls = batch_rounds * decode_s * phase_rate / tokens
