@@ -118,7 +118,7 @@ def main(argv):
     rep_s = {m: [] for m in methods}
     runs, costs, first_token_reps = {}, [], []
     shuffle = np.random.default_rng(0)
-    for _ in range(_REPEATS.value):
+    for rep in range(_REPEATS.value):
       costs.append(step_costs.measure(decoder, batch, k, cache_len))
       # One-token calls: the prefills (every prompt's, refills included) plus their rounds.
       _, seconds, first_token_rounds, _ = run_method(decoder, batches, one_token, 0, rows, 1)
@@ -127,6 +127,8 @@ def main(argv):
         runs[m] = run_method(decoder, batches, verify_params[m], k, rows)
         best_s[m] = np.minimum(best_s[m], runs[m][1])
         rep_s[m].append(float(runs[m][1].sum()))
+      print(f"  batch {batch}, repeat {rep + 1}/{_REPEATS.value}: "
+            + ", ".join(f"{m} {rep_s[m][-1]:.1f} s" for m in methods), flush=True)
     best_s = {m: float(s.sum()) for m, s in best_s.items()}
     best_costs = step_costs.StepCosts.best(costs)
     decode_s, c, r = best_costs.decode_s, best_costs.c, best_costs.r
