@@ -5,9 +5,10 @@
 Runs one decoding call under `jax.profiler` (after a warm-up call), sums the XLA ops' own
 times from the trace and groups every op by how often it ran per round of the loop: an op
 of the verification's scanned layers runs L times a round, one of the draft's scan K - 1
-(or K) times, the rule, sampling and commit once; the prompt's prefill runs its ops once
-per call. Times are op times with the profiler on (inflated, and summed over the host's
-threads), so read them as shares, not as wall-clock.
+(or K) times, the rule, sampling and commit once; the prompts' prefill runs its ops once
+per pass (`loop.PREFILL_CHUNK` tokens; a few passes per call), fewer times than the rounds.
+Times are op times with the profiler on (inflated, and summed over the host's threads), so
+read them as shares, not as wall-clock.
 """
 
 from __future__ import annotations
@@ -73,10 +74,8 @@ def main(argv):
 
   def group(name: str) -> str:
     per_round = calls[name] / rounds
-    if calls[name] == layers:
-      return "once per call, L times (the prefill's layers)"
-    if calls[name] < rounds:
-      return "once per call (prefill, set-up)"
+    if calls[name] < rounds or (calls[name] % layers == 0 and calls[name] // layers < rounds):
+      return "per call, not per round (the prefill's passes, set-up)"
     if per_round == layers:
       return f"{layers} per round (the verification's layers, or AR's)"
     return f"{per_round:g} per round"

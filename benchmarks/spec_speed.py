@@ -16,9 +16,13 @@ Loop efficiency = measured / predicted says how much the loop itself (sampling,
 verification, bookkeeping) costs beyond the model calls; the goal is >= 0.9.
 
 The prediction models the rounds only, so the speed-ups it is compared with are those of
-the decoding phase: each call's time minus the prompt prefill (measured as the time of a
-one-token call minus one decoding step; the draft's prefill is taken as c times it). The
-end-to-end tokens/s and speed-up (prefill included) are printed too.
+the decoding phase: each call's time minus its prompt prefills, measured by one-token calls
+(max_new_tokens=1) minus their rounds' step costs: an autoregressive one for the target's
+prefills, an `sd` one for both models' (every draft method prefills the same way). The
+draft's prefill is measured, not taken as c times the target's: a prefill is a many-token
+forward, whose cost ratio differs from the one-token c (0.14 vs 0.08 for the shipped
+draft), and with a queue the prefills are up to half of a call. The end-to-end tokens/s
+and speed-up (prefill included) are printed too.
 
 In a batch, rows commit different numbers of tokens per round and a static batch runs
 until its slowest row is done, so from batch 2 on the per-row tokens_per_round overstates
@@ -109,20 +113,25 @@ def main(argv):
     for m in methods:  # compile every program before timing anything
       decoder.generate(batches[0], verify_params[m], num_draft=k, batch_size=rows,
                        max_new_tokens=_MAX_NEW.value)
-    decoder.generate(batches[0], one_token, batch_size=rows, max_new_tokens=1)
+    one_round = VerifyParams(method="sd", temperature=_TEMPERATURE.value)
+    for verify, steps in ((one_token, 0), (one_round, k)):
+      decoder.generate(batches[0], verify, num_draft=steps, batch_size=rows, max_new_tokens=1)
     # Timings interleave methods and step costs over the repeats (the machine's speed
     # drifts), in a new random order every repeat; every call (method and batch of
     # prompts) keeps its best repeat, so a slow phase of the host spoils one call's
     # sample, not a whole method's. Each repeat's own times are kept too (`eff/rep`).
     best_s = {m: np.full(len(batches), np.inf) for m in methods}
     rep_s = {m: [] for m in methods}
-    runs, costs, first_token_reps = {}, [], []
+    runs, costs, first_token_reps, first_round_reps = {}, [], [], []
     shuffle = np.random.default_rng(0)
     for rep in range(_REPEATS.value):
       costs.append(step_costs.measure(decoder, batch, k, cache_len))
-      # One-token calls: the prefills (every prompt's, refills included) plus their rounds.
+      # One-token calls: the prefills (every prompt's, refills included) plus their rounds;
+      # autoregressive (the target's prefills) and sd (both models').
       _, seconds, first_token_rounds, _ = run_method(decoder, batches, one_token, 0, rows, 1)
       first_token_reps.append(seconds)
+      _, seconds, first_round_rounds, _ = run_method(decoder, batches, one_round, k, rows, 1)
+      first_round_reps.append(seconds)
       for m in shuffle.permutation(methods):
         runs[m] = run_method(decoder, batches, verify_params[m], k, rows)
         best_s[m] = np.minimum(best_s[m], runs[m][1])
@@ -133,28 +142,36 @@ def main(argv):
     best_costs = step_costs.StepCosts.best(costs)
     decode_s, c, r = best_costs.decode_s, best_costs.c, best_costs.r
 
-    def prefill_seconds(first_token_s, decode_s):
-      # The prompt's prefill is a fixed cost outside the rounds that the prediction models:
-      # the decoding phase = a call's time minus the prefill (the target's: the time of a
-      # one-token call minus one step; the draft's: c times it).
-      return max(float(first_token_s.sum()) - first_token_rounds * decode_s, 0.0)
+    def prefill_seconds(one_token_s, with_draft: bool, cost: step_costs.StepCosts):
+      # The prompts' prefills are a fixed cost outside the rounds that the prediction
+      # models: the decoding phase = a call's time minus its prefills = a one-token call's
+      # time minus its rounds (one decoding step, or one sd round, each).
+      if with_draft:
+        seconds, rounds, round_s = (first_round_reps, first_round_rounds,
+                                    k * cost.draft_s + cost.verify_s)
+      else:
+        seconds, rounds, round_s = first_token_reps, first_token_rounds, cost.decode_s
+      return max(float(np.sum(one_token_s(seconds))) - rounds * round_s, 0.0)
 
-    prefill_s = prefill_seconds(np.min(first_token_reps, axis=0), decode_s)
+    best_of = lambda reps: np.min(reps, axis=0)
+    prefill_s = {d: prefill_seconds(best_of, d, best_costs) for d in (False, True)}
 
     def repeat_efficiency(m, tpr, steps):
       """Median over repeats of the efficiency from that repeat's own times and costs."""
       effs = []
       for i, cost in enumerate(costs):
-        pre = prefill_seconds(first_token_reps[i], cost.decode_s)
-        ar_phase = rep_s["ar"][i] - pre
-        phase = rep_s[m][i] - pre * (1.0 + cost.c)
+        pre = {d: prefill_seconds(lambda reps: reps[i], d, cost) for d in (False, True)}
+        ar_phase = rep_s["ar"][i] - pre[False]
+        phase = rep_s[m][i] - pre[True]
         effs.append(ar_phase / phase / cost.predicted_speedup(tpr, steps))
       return float(np.median(effs))
     layout = (f"{len(batches[0])} prompts per call, continuous batching" if queued
               else f"{len(batches)} calls")
     print(f"\nbatch {batch} ({layout}): target step {decode_s * 1e3:.1f} ms, verify/decode "
-          f"r={r:.2f}, draft/target c={c:.3f}, cache {cache_len} slots, prefill "
-          f"{prefill_s / len(batches) * 1e3:.0f} ms per call")
+          f"r={r:.2f}, draft/target c={c:.3f}, cache {cache_len} slots, prefills per call: "
+          f"target {prefill_s[False] / len(batches) * 1e3:.0f} ms, both models "
+          f"{prefill_s[True] / len(batches) * 1e3:.0f} ms (draft/target "
+          f"{prefill_s[True] / prefill_s[False] - 1:.3f})")
     print(f"{'method':10s} {'tok/s':>7s} {'speedup':>7s} {'| decoding phase:':>17s} "
           f"{'tok/s':>6s} {'speedup':>7s} {'predicted':>9s} {'efficiency':>10s} "
           f"{'eff/rep':>7s} {'pred/batch':>10s} {'eff/batch':>9s} {'calls':>6s} "
@@ -163,7 +180,7 @@ def main(argv):
     for m in methods:
       tokens, _, batch_rounds, summaries = runs[m]
       rate = tokens / best_s[m]
-      phase_rate = tokens / (best_s[m] - prefill_s * (1.0 if m == "ar" else 1.0 + c))
+      phase_rate = tokens / (best_s[m] - prefill_s[m != "ar"])
       row_rounds = sum(s["rounds"] for s in summaries)  # rounds in which a row was active
       tpr = tokens / row_rounds  # per row and round
       # A batch runs until its slowest row is done: per-row tokens per BATCH round.

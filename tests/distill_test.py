@@ -13,6 +13,7 @@ from diversed_jax.distill import architectures, artifacts, batches, data, train
 from diversed_jax.models import ModelConfig, init_params, transformer
 from diversed_jax.models.loading import LoadedModel
 from diversed_jax.speculative import decoder as decoder_lib
+from diversed_jax.speculative import loop
 from diversed_jax.speculative.types import VerifyParams
 
 VOCAB = 64
@@ -73,6 +74,57 @@ def test_draft_kinds_run_in_the_speculative_loop(target, kind):
   sampled = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=1.0), num_draft=3,
                          max_new_tokens=10, eos_token_ids=())
   assert all(len(t) == 10 for t in sampled.token_ids)
+
+
+def _valid_slots(cache, lengths_b):
+  """A KV cache's keys and values with the slots past each row's length zeroed (stale)."""
+  kv = cache.kv if hasattr(cache, "kv") else cache
+  kv = kv.as_layout(per_layer=False)
+  keep = (jnp.arange(kv.capacity)[None, :] < lengths_b[:, None])[None, :, :, None, None]
+  return np.asarray(jnp.where(keep, kv.k, 0)), np.asarray(jnp.where(keep, kv.v, 0))
+
+
+def _reference_prefill(target, draft, params, tokens, lengths, cache_len):
+  """Both models over each prompt but its last token in one plain forward (caches,
+  features [B, 2, D] of the last two prompt tokens)."""
+  prefix = tokens[:, :-1]
+  hidden, target_cache = transformer.forward_hidden(
+      target.params, target.config, prefix,
+      transformer.init_cache(target.params, target.config, len(tokens), cache_len))
+  features_btd = jnp.pad(hidden, ((0, 0), (1, 0), (0, 0)))  # [:, t]: predicted token t
+  _, _, draft_cache = draft.forward(params, prefix, draft.init_cache(params, len(tokens),
+                                                                     cache_len),
+                                    features_btd[:, :-1])
+  last = (lengths[:, None] - 2) + jnp.arange(2)
+  return target_cache, draft_cache, features_btd[jnp.arange(len(tokens))[:, None], last]
+
+
+@pytest.mark.parametrize("kind", architectures.KINDS)
+def test_chunked_prefill_equals_one_plain_forward(target, kind):
+  """The loop's prefill, `chunk` tokens at a time (rows of different lengths, the longest
+  needing several passes) or in one pass, gives both models the caches and the last two
+  features of one plain forward over each prompt."""
+  draft, params = _draft(kind, target)
+  tokens, lengths = decoder_lib.pad_prompts(PROMPTS)  # width 32, lengths 2..9
+  tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+  want = _reference_prefill(target, draft, params, tokens, lengths, 64)
+  for chunk in (2, 32):
+    got = jax.jit(loop._prefill, static_argnums=(1, 2, 6, 7))(
+        target.params, target.config, draft, params, tokens, lengths, 64, chunk)
+    for mine, ref in zip(got[:2], want[:2]):  # target cache, then draft cache
+      np.testing.assert_allclose(_valid_slots(mine, lengths - 1), _valid_slots(ref, lengths - 1),
+                                 rtol=1e-5, atol=1e-5, err_msg=f"chunk={chunk}")
+    np.testing.assert_array_equal(got[0].lengths_b, lengths - 1)
+    np.testing.assert_array_equal(got[2], np.asarray(
+        [p[-2:] for p in PROMPTS]))  # the last two prompt tokens
+    np.testing.assert_allclose(got[3], want[2], rtol=1e-5, atol=1e-5, err_msg=f"chunk={chunk}")
+  # And decoding after either prefill drafts the same (the draft caches agree).
+  stats = [decoder_lib.SpeculativeDecoder(
+      decoder_lib.ModelHandle(target.config, target.params), draft, params,
+      prefill_chunk=chunk).generate(PROMPTS, VerifyParams(method="sd", temperature=0.0),
+                                    num_draft=3, max_new_tokens=8, eos_token_ids=(),
+                                    batch_size=2).stats for chunk in (32, 2)]
+  np.testing.assert_allclose(stats[1].accept_prob_rbk, stats[0].accept_prob_rbk, atol=1e-5)
 
 
 def test_feature_draft_incremental_matches_training_pass(target):

@@ -116,12 +116,14 @@ def test_eos_and_max_new_tokens_stop_rows(pair):
 QUEUE = PROMPTS + [[3, 3, 4], [9, 8, 7, 6, 5, 4], [1, 1]]
 
 
+@pytest.mark.parametrize("prefill_chunk", [2, 64])  # several passes per prompt; one
 @pytest.mark.parametrize("method,num_draft", [("ar", 0), ("sd", 3), ("static", 2)])
-def test_continuous_batching_gives_each_prompt_its_own_decoding(pair, method, num_draft):
+def test_continuous_batching_gives_each_prompt_its_own_decoding(pair, method, num_draft,
+                                                                prefill_chunk):
   """With fewer rows than prompts, finished rows take queued prompts; every prompt's tokens
   equal those of decoding all prompts at once, with and without EOS."""
   target, draft, draft_params = pair
-  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params, prefill_chunk=prefill_chunk)
   # weight 1 keeps greedy 'static' deterministic (nu = p) while it still drafts K + 1 steps.
   greedy = VerifyParams(method=method, temperature=0.0, weight=1.0)
   expected = [_greedy_reference(target, p, 10) for p in QUEUE]

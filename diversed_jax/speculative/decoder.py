@@ -63,7 +63,8 @@ class SpeculativeDecoder:
   """A target, an optional draft (object, params) and an optional head (weight_fn, params)."""
 
   def __init__(self, target: ModelHandle, draft=None, draft_params=None, weight_fn=None,
-               head_params=None, mesh=None, unstack: bool = True):
+               head_params=None, mesh=None, unstack: bool = True,
+               prefill_chunk: int = loop.PREFILL_CHUNK):
     """`mesh`: an optional jax.sharding.Mesh; rows are then split over its 'data' axis
     (the batch must divide by its size) and parameters replicated.
 
@@ -73,8 +74,11 @@ class SpeculativeDecoder:
     of the scan every step), and its [out, in] matrices let the (K+1)-token verification
     take the fused few-row products of `models.products` (one row's verification of 4-5
     tokens: 20-30% faster than stacked). False keeps the caller's layout everywhere.
+
+    `prefill_chunk`: prompt tokens per prefill pass (`loop.decode`).
     """
     self.mesh = mesh
+    self.prefill_chunk = prefill_chunk
     self.unstack = unstack
     if unstack and draft is not None and hasattr(draft, "inference_params"):
       draft_params = draft.inference_params(draft_params)
@@ -133,7 +137,7 @@ class SpeculativeDecoder:
     kwargs = dict(spec=spec, target_config=self.target.config,
                   draft=self.draft if uses_draft else None,
                   weight_fn=self.weight_fn if verify.method == "diversed" else None,
-                  cache_len=cache_len, batch_size=batch_size)
+                  cache_len=cache_len, batch_size=batch_size, prefill_chunk=self.prefill_chunk)
     compile_seconds = 0.0
     signature = (spec, tokens.shape, cache_len, batch_size)
     if signature not in self._executables:

@@ -42,6 +42,10 @@ from diversed_jax.speculative.types import METHODS, VerifyParams
 # Rules whose bonus token comes from their own law at K+1, which needs q_{K+1}.
 BONUS_NEEDS_DRAFT = ("static", "static_logit", "diversed", "cascade")
 
+# Prompt tokens per prefill pass: a multiple of the prompt buckets' sizes short enough that
+# a short prompt in a wide bucket skips most of its padding (see `_prefill`).
+PREFILL_CHUNK = 64
+
 # (head_params, h_q [..., Dq], h_p [..., Dp]) -> w [...], the weight on the target.
 WeightFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
@@ -257,25 +261,45 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
 
 
 def _prefill(target_params, target_config: ModelConfig, draft, draft_params, prompt_bp,
-             prompt_lengths_b, cache_len: int):
+             prompt_lengths_b, cache_len: int, chunk: int):
   """Fresh caches of both models holding each prompt but its last token (the pending x0).
+
+  The prompts go through both models `chunk` tokens at a time, as far as the longest
+  prompt of the call needs: a short prompt in a wide bucket skips most of its padding (a
+  one-row refill prefilled the whole width, up to half of a queued call's time). Slots
+  written past a row's length are stale, as after any roll-back. A width that `chunk`
+  does not divide runs in one pass.
 
   Returns (target_cache, draft_cache or None, last_two_b2, features_b2d).
   """
-  b = prompt_bp.shape[0]
-  prefix = prompt_bp[:, :-1]
-  hidden, target_cache = transformer.forward_hidden(
-      target_params, target_config, prefix,
-      transformer.init_cache(target_params, target_config, b, cache_len))
-  target_cache = target_cache.with_lengths(prompt_lengths_b - 1)
+  b, width = prompt_bp.shape
+  if width % chunk:
+    chunk = width
+  target_cache = transformer.init_cache(target_params, target_config, b, cache_len)
+  draft_cache = None if draft is None else draft.init_cache(draft_params, b, cache_len)
   # features_btd[:, t] = the target hidden state that predicted prompt token t (zeros at 0).
-  features_btd = jnp.pad(hidden, ((0, 0), (1, 0), (0, 0)))
-  if draft is None:
-    draft_cache = None
-  else:
-    _, _, draft_cache = draft.forward(draft_params, prefix,
-                                      draft.init_cache(draft_params, b, cache_len),
-                                      features_btd[:, :-1])
+  features_btd = jnp.zeros((b, width + 1, target_config.hidden_size),
+                           target_params["embed"].dtype)
+
+  def run_chunk(i, caches_and_features):
+    target_cache, draft_cache, features_btd = caches_and_features
+    start = i * chunk
+    at_start = lambda cache: cache.with_lengths(jnp.full((b,), start, jnp.int32))
+    tokens_bc = jax.lax.dynamic_slice_in_dim(prompt_bp, start, chunk, axis=1)
+    hidden, target_cache = transformer.forward_hidden(target_params, target_config, tokens_bc,
+                                                      at_start(target_cache))
+    features_btd = jax.lax.dynamic_update_slice_in_dim(
+        features_btd, hidden.astype(features_btd.dtype), start + 1, axis=1)
+    if draft is not None:
+      _, _, draft_cache = draft.forward(
+          draft_params, tokens_bc, at_start(draft_cache),
+          jax.lax.dynamic_slice_in_dim(features_btd, start, chunk, axis=1))
+    return target_cache, draft_cache, features_btd
+
+  num_chunks = (jnp.max(prompt_lengths_b) - 1 + chunk - 1) // chunk
+  target_cache, draft_cache, features_btd = jax.lax.fori_loop(
+      0, num_chunks, run_chunk, (target_cache, draft_cache, features_btd))
+  target_cache = target_cache.with_lengths(prompt_lengths_b - 1)
   last_idx_b2 = (prompt_lengths_b[:, None] - 2) + jnp.arange(2)
   last_two = jnp.take_along_axis(prompt_bp, last_idx_b2, axis=1).astype(jnp.int32)
   features_b2d = jnp.take_along_axis(features_btd, last_idx_b2[:, :, None], axis=1)
@@ -283,7 +307,7 @@ def _prefill(target_params, target_config: ModelConfig, draft, draft_params, pro
 
 
 def _refill(target_config: ModelConfig, draft, params, prompt_qp, prompt_lengths_q,
-            cache_len: int, state: _State) -> _State:
+            cache_len: int, prefill_chunk: int, state: _State) -> _State:
   """Continuous batching: moves queued prompts into finished rows, one row at a time.
 
   A refilled row gets a one-row prefill written over its cache slots (stale slots past the
@@ -297,7 +321,7 @@ def _refill(target_config: ModelConfig, draft, params, prompt_qp, prompt_lengths
     target_cache, draft_cache, last_two, features = _prefill(
         target_params, target_config, draft, draft_params,
         jax.lax.dynamic_slice_in_dim(prompt_qp, n, 1),
-        jax.lax.dynamic_slice_in_dim(prompt_lengths_q, n, 1), cache_len)
+        jax.lax.dynamic_slice_in_dim(prompt_lengths_q, n, 1), cache_len, prefill_chunk)
     return s.replace(
         target_cache=s.target_cache.set_row(row, target_cache),
         draft_cache=None if draft is None else s.draft_cache.set_row(row, draft_cache),
@@ -311,11 +335,11 @@ def _refill(target_config: ModelConfig, draft, params, prompt_qp, prompt_lengths
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "target_config", "draft", "weight_fn",
-                                             "cache_len", "batch_size"))
+                                             "cache_len", "batch_size", "prefill_chunk"))
 def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key, *,
            spec: LoopSpec, target_config: ModelConfig, draft=None,
            weight_fn: WeightFn | None = None, cache_len: int,
-           batch_size: int | None = None) -> DecodeResult:
+           batch_size: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> DecodeResult:
   """Prefills both models and runs the speculative loop; everything in one program.
 
   Args:
@@ -326,6 +350,7 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     batch_size: rows decoded at once, B <= Q (None: all Q). With B < Q the first B
       prompts start and the others queue; each finished row takes the next queued
       prompt (continuous batching).
+    prefill_chunk: prompt tokens per prefill pass (see `_prefill`).
   Returns:
     DecodeResult with tokens_qn [Q, max_new_tokens + K + 1].
   """
@@ -333,13 +358,15 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
   b = num_prompts if batch_size is None else batch_size
   if not 1 <= b <= num_prompts:
     raise ValueError(f"batch_size={batch_size} must be in [1, {num_prompts}] (the prompts)")
+  if prefill_chunk < 1:
+    raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
   k = spec.num_draft
   if spec.verify.method == "diversed" and weight_fn is None:
     raise ValueError("method 'diversed' needs an ensemble head (weight_fn)")
 
   target_cache, draft_cache, last_two, features_b2d = _prefill(
       target_params, target_config, draft, draft_params, prompt_qp[:b],
-      prompt_lengths_q[:b], cache_len)
+      prompt_lengths_q[:b], cache_len, prefill_chunk)
 
   rounds = spec.max_rounds(num_prompts, b)
   state = _State(
@@ -362,7 +389,7 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
   round_fn = functools.partial(_round, spec, target_config, draft, weight_fn, params)
   if b < num_prompts:
     refill = functools.partial(_refill, target_config, draft, params, prompt_qp,
-                               prompt_lengths_q, cache_len)
+                               prompt_lengths_q, cache_len, prefill_chunk)
     body = lambda s: refill(round_fn(s))
   else:
     body = round_fn
