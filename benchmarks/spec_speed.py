@@ -20,8 +20,8 @@ the decoding phase: each call's time minus its prompt prefills, measured by one-
 (max_new_tokens=1) minus their rounds' step costs: an autoregressive one for the target's
 prefills, an `sd` one for both models' (every draft method prefills the same way). The
 draft's prefill is measured, not taken as c times the target's: a prefill is a many-token
-forward, whose cost ratio differs from the one-token c (0.14 vs 0.08 for the shipped
-draft), and with a queue the prefills are up to half of a call. The end-to-end tokens/s
+forward, whose draft/target cost ratio is not the one-token c (0.08-0.19 in direct timings
+of the shipped draft's, c ~ 0.08), and with a queue the prefills are up to half a call. The end-to-end tokens/s
 and speed-up (prefill included) are printed too.
 
 In a batch, rows commit different numbers of tokens per round and a static batch runs
