@@ -42,8 +42,8 @@ from diversed_jax.speculative.types import METHODS, VerifyParams
 # Rules whose bonus token comes from their own law at K+1, which needs q_{K+1}.
 BONUS_NEEDS_DRAFT = ("static", "static_logit", "diversed", "cascade")
 
-# Prompt tokens per prefill pass: a multiple of the prompt buckets' sizes short enough that
-# a short prompt in a wide bucket skips most of its padding (see `_prefill`).
+# Prompt tokens per prefill pass: divides every prompt bucket from 64 up, and is short
+# enough that a short prompt in a wide bucket skips most of its padding (see `_prefill`).
 PREFILL_CHUNK = 64
 
 # (head_params, h_q [..., Dq], h_p [..., Dp]) -> w [...], the weight on the target.
@@ -265,8 +265,9 @@ def _prefill(target_params, target_config: ModelConfig, draft, draft_params, pro
   """Fresh caches of both models holding each prompt but its last token (the pending x0).
 
   The prompts go through both models `chunk` tokens at a time, as far as the longest
-  prompt of the call needs: a short prompt in a wide bucket skips most of its padding (a
-  one-row refill prefilled the whole width, up to half of a queued call's time). Slots
+  prompt of the call needs: a short prompt in a wide bucket skips most of its padding
+  (one pass over the whole width made the one-row refills up to half of a queued call's
+  time). Slots
   written past a row's length are stale, as after any roll-back. A width that `chunk`
   does not divide runs in one pass.
 
