@@ -21,8 +21,8 @@ the decoding phase: each call's time minus its prompt prefills, measured by one-
 prefills, an `sd` one for both models' (every draft method prefills the same way). The
 draft's prefill is measured, not taken as c times the target's: a prefill is a many-token
 forward, whose draft/target cost ratio is not the one-token c (0.08-0.19 in direct timings
-of the shipped draft's, c ~ 0.08), and with a queue the prefills are up to half a call. The end-to-end tokens/s
-and speed-up (prefill included) are printed too.
+of the shipped draft's, c ~ 0.08), and with a queue the prefills are up to half a call.
+The end-to-end tokens/s and speed-up (prefill included) are printed too.
 
 In a batch, rows commit different numbers of tokens per round and a static batch runs
 until its slowest row is done, so from batch 2 on the per-row tokens_per_round overstates
@@ -109,12 +109,13 @@ def main(argv):
     width = max(len(p) for p in prompts)
     cache_len = bucket_length(bucket_length(width, PROMPT_BUCKETS) + _MAX_NEW.value + k + 2)
     verify_params = {m: VerifyParams(method=m, temperature=_TEMPERATURE.value) for m in methods}
-    one_token = VerifyParams(method="ar", temperature=_TEMPERATURE.value)
     for m in methods:  # compile every program before timing anything
       decoder.generate(batches[0], verify_params[m], num_draft=k, batch_size=rows,
                        max_new_tokens=_MAX_NEW.value)
-    one_round = VerifyParams(method="sd", temperature=_TEMPERATURE.value)
-    for verify, steps in ((one_token, 0), (one_round, k)):
+    # One-token calls time the prefills: without the draft (ar) and with it (sd).
+    one_token = {False: (VerifyParams(method="ar", temperature=_TEMPERATURE.value), 0),
+                 True: (VerifyParams(method="sd", temperature=_TEMPERATURE.value), k)}
+    for verify, steps in one_token.values():
       decoder.generate(batches[0], verify, num_draft=steps, batch_size=rows, max_new_tokens=1)
     # Timings interleave methods and step costs over the repeats (the machine's speed
     # drifts), in a new random order every repeat; every call (method and batch of
@@ -122,16 +123,16 @@ def main(argv):
     # sample, not a whole method's. Each repeat's own times are kept too (`eff/rep`).
     best_s = {m: np.full(len(batches), np.inf) for m in methods}
     rep_s = {m: [] for m in methods}
-    runs, costs, first_token_reps, first_round_reps = {}, [], [], []
+    runs, costs = {}, []
+    one_token_reps, one_token_rounds = {False: [], True: []}, {}
     shuffle = np.random.default_rng(0)
     for rep in range(_REPEATS.value):
       costs.append(step_costs.measure(decoder, batch, k, cache_len))
-      # One-token calls: the prefills (every prompt's, refills included) plus their rounds;
-      # autoregressive (the target's prefills) and sd (both models').
-      _, seconds, first_token_rounds, _ = run_method(decoder, batches, one_token, 0, rows, 1)
-      first_token_reps.append(seconds)
-      _, seconds, first_round_rounds, _ = run_method(decoder, batches, one_round, k, rows, 1)
-      first_round_reps.append(seconds)
+      # One-token calls: the prefills (every prompt's, refills included) plus their rounds.
+      for with_draft, (verify, steps) in one_token.items():
+        _, seconds, one_token_rounds[with_draft], _ = run_method(decoder, batches, verify,
+                                                                 steps, rows, 1)
+        one_token_reps[with_draft].append(seconds)
       for m in shuffle.permutation(methods):
         runs[m] = run_method(decoder, batches, verify_params[m], k, rows)
         best_s[m] = np.minimum(best_s[m], runs[m][1])
@@ -145,22 +146,18 @@ def main(argv):
     def prefill_seconds(one_token_s, with_draft: bool, cost: step_costs.StepCosts):
       # The prompts' prefills are a fixed cost outside the rounds that the prediction
       # models: the decoding phase = a call's time minus its prefills = a one-token call's
-      # time minus its rounds (one decoding step, or one sd round, each).
-      if with_draft:
-        seconds, rounds, round_s = (first_round_reps, first_round_rounds,
-                                    k * cost.draft_s + cost.verify_s)
-      else:
-        seconds, rounds, round_s = first_token_reps, first_token_rounds, cost.decode_s
-      return max(float(np.sum(one_token_s(seconds))) - rounds * round_s, 0.0)
+      # time (`one_token_s`, per batch) minus its rounds (one step, or one sd round, each).
+      round_s = k * cost.draft_s + cost.verify_s if with_draft else cost.decode_s
+      return max(float(np.sum(one_token_s)) - one_token_rounds[with_draft] * round_s, 0.0)
 
-    best_of = lambda reps: np.min(reps, axis=0)
-    prefill_s = {d: prefill_seconds(best_of, d, best_costs) for d in (False, True)}
+    prefill_s = {d: prefill_seconds(np.min(one_token_reps[d], axis=0), d, best_costs)
+                 for d in (False, True)}
 
     def repeat_efficiency(m, tpr, steps):
       """Median over repeats of the efficiency from that repeat's own times and costs."""
       effs = []
       for i, cost in enumerate(costs):
-        pre = {d: prefill_seconds(lambda reps: reps[i], d, cost) for d in (False, True)}
+        pre = {d: prefill_seconds(one_token_reps[d][i], d, cost) for d in (False, True)}
         ar_phase = rep_s["ar"][i] - pre[False]
         phase = rep_s[m][i] - pre[True]
         effs.append(ar_phase / phase / cost.predicted_speedup(tpr, steps))
