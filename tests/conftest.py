@@ -1,5 +1,5 @@
 """Test set-up: CPU only, several fake devices for sharding tests, no network, and compiled
-programs released after each test module."""
+programs released before they exhaust the process's memory mappings."""
 
 import gc
 import os
@@ -13,13 +13,38 @@ import jax  # noqa: E402  (after the platform is chosen)
 import pytest  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
+def _read_int(path: str, default: int) -> int:
+  try:
+    with open(path) as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return default
+
+
+def _mapping_count() -> int:
+  """Memory mappings of this process (0 where /proc is absent: no limit to watch)."""
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return 0
+
+
+# XLA:CPU maps each compiled kernel's code and data into the process, and jit's caches keep
+# every program alive. A pytest-xdist worker runs half the suite in one process: thousands
+# of programs, past Linux's limit on mappings (vm.max_map_count, 65530 by default), and the
+# next compile then segfaults. So once the mappings grow by a quarter of the limit, the
+# caches are dropped, which frees the programs no test holds any more (tests recompile what
+# they need); growth is counted from the last drop, so programs a module's fixtures still
+# hold do not make every later test drop the caches again.
+_GROWTH_ALLOWED = _read_int("/proc/sys/vm/max_map_count", 65530) // 4
+_drop_above = [_mapping_count() + _GROWTH_ALLOWED]
+
+
+@pytest.fixture(autouse=True)
 def _release_compiled_programs():
-  """XLA:CPU maps each compiled kernel's code and data into the process. A pytest-xdist
-  worker runs half the suite, thousands of programs, in one process, and, with every
-  program kept in jit's caches, passes the kernel's limit on memory mappings
-  (vm.max_map_count, 65530 by default): the next compile then segfaults. Dropping the
-  caches after each module frees the programs that module's tests no longer hold."""
   yield
-  jax.clear_caches()
-  gc.collect()
+  if _mapping_count() > _drop_above[0]:
+    jax.clear_caches()
+    gc.collect()
+    _drop_above[0] = _mapping_count() + _GROWTH_ALLOWED
