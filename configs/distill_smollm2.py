@@ -20,6 +20,10 @@ def get_config():
   c.data.dir = "runs/distill_ref_smollm2"  # shard folder shared by data and train modes
   c.data.extra_train_dirs = ()  # more shard folders, all used for training (not data mode)
   c.data.continuation = "reference"  # 'reference' (dataset answers) or 'target' (generated)
+  # 'target' only: folder keeping the generated ids (absolute, or under diversed_jax/data;
+  # small, committed), from which lost shards are rebuilt by teacher forcing. '' = not kept.
+  c.data.continuations_dir = ""
+  c.data.continuations_only = False  # write only the kept ids (about half a shard's cost)
   # JSONL files (relative paths: under diversed_jax/data). Train/validation splits only.
   c.data.gsm8k_path = ("distill/gsm8k_train.jsonl",)  # records with 'question'
   c.data.cnndm_path = ("cnndm/train.jsonl", "cnndm/train_more.jsonl")  # with 'article'

@@ -3,13 +3,14 @@ loop, a short run lowering the loss, checkpoint resume, and the shipped draft (s
 
 import importlib.util
 import os
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diversed_jax.distill import architectures, artifacts, batches, data, train
+from diversed_jax.distill import architectures, artifacts, batches, continuations, data, train
 from diversed_jax.models import ModelConfig, init_params, transformer
 from diversed_jax.models.loading import LoadedModel
 from diversed_jax.speculative import decoder as decoder_lib
@@ -277,6 +278,96 @@ def test_windows_and_vocab():
   assert (batch["features_bwd"][0, 0] == 0).all()
   assert batch["weight_bw"][0].tolist() == [0.25] * 3 + [1.0] * 6 + [0.0] * 7
 
+
+
+class _WordTokenizer:
+  """Whitespace words hashed into the tiny vocabulary, with a one-line chat template."""
+  chat_template = "user-turn"
+  name_or_path = "words"
+
+  def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+    del add_generation_prompt, tokenize
+    return "<user> " + messages[0]["content"] + " <assistant>"
+
+  def __call__(self, text, add_special_tokens=True):
+    del add_special_tokens
+    return {"input_ids": [3 + zlib.crc32(w.encode()) % (VOCAB - 3) for w in text.split()]}
+
+
+def _data_config(tmp_path, **overrides):
+  c = _tiny_config().data
+  c.dir = str(tmp_path / "shards")
+  c.continuation = "target"
+  c.continuations_dir = str(tmp_path / "ids")
+  c.max_chars = 300
+  c.pattern = ("gsm8k", "cnndm")
+  for key, value in overrides.items():
+    c[key] = value
+  return c
+
+
+def _no_generation(*args, **kwargs):
+  raise AssertionError("the target generated although the ids were kept")
+
+
+def test_kept_continuations_rebuild_lost_shards(target, tmp_path, monkeypatch):
+  tok, lines = _WordTokenizer(), []
+  c = _data_config(tmp_path)
+  assert data.generate(c, target, c.dir, log=lines.append, tokenizer=tok) == 3
+  assert continuations.count(c.continuations_dir) == 3
+  first = [dict(np.load(data.shard_path(c.dir, i))) for i in range(3)]
+  assert float(first[1]["temperature"]) == 1.0 and float(first[2]["temperature"]) == 0.0
+  for i in (1, 2):
+    os.remove(data.shard_path(c.dir, i))
+  monkeypatch.setattr(data, "target_continuations", _no_generation)
+  lines.clear()
+  assert data.generate(c, target, c.dir, log=lines.append, tokenizer=tok) == 3
+  assert sum("kept ids" in line for line in lines) == 2
+  for i in range(3):
+    again = np.load(data.shard_path(c.dir, i))
+    for key in ("tokens", "lengths", "prompt_lengths", "topk_ids", "temperature"):
+      np.testing.assert_array_equal(again[key], first[i][key])
+    np.testing.assert_allclose(again["hidden"], first[i]["hidden"], atol=1e-3)
+  # The ids continue this plan's prompts only: a changed plan is refused, not mispaired.
+  os.remove(data.shard_path(c.dir, 0))
+  with pytest.raises(ValueError, match="other prompts than shard 0"):
+    data.generate(_data_config(tmp_path, seed=c.seed + 1), target, c.dir, log=_quiet,
+                  tokenizer=tok)
+
+
+def test_ids_only_then_shards_and_backfill(target, tmp_path, monkeypatch):
+  tok = _WordTokenizer()
+  # Shards written before ids were kept get their ids read back from the shards.
+  plain = _data_config(tmp_path, dir=str(tmp_path / "plain"), continuations_dir="",
+                       num_shards=2)
+  data.generate(plain, target, plain.dir, log=_quiet, tokenizer=tok)
+  plain.continuations_dir, lines = str(tmp_path / "backfilled"), []
+  data.generate(plain, target, plain.dir, log=lines.append, tokenizer=tok)
+  assert sum("ids kept" in line for line in lines) == 2
+  prompts, conts = continuations.from_shard(np.load(data.shard_path(plain.dir, 0)))
+  assert continuations.load(plain.continuations_dir, 0, prompts, 1.0) == conts
+  # Ids only: no shard is written; the same plan and seed give the same continuations.
+  c = _data_config(tmp_path, continuations_only=True, num_shards=2)
+  assert data.generate(c, target, c.dir, log=_quiet, tokenizer=tok) == 0
+  assert continuations.count(c.continuations_dir) == 2
+  assert continuations.load(c.continuations_dir, 0, prompts, 1.0) == conts
+  assert all(len(k) == c.max_new_tokens for k in conts)  # the tiny target has no EOS
+  # Then the shards, from the ids alone.
+  monkeypatch.setattr(data, "target_continuations", _no_generation)
+  c.continuations_only = False
+  assert data.generate(c, target, c.dir, log=_quiet, tokenizer=tok) == 2
+  np.testing.assert_array_equal(np.load(data.shard_path(c.dir, 1))["tokens"],
+                                np.load(data.shard_path(plain.dir, 1))["tokens"])
+
+
+def test_kept_ids_need_target_continuations(tmp_path):
+  c = _tiny_config()
+  c.data.continuations_dir = str(tmp_path)
+  with pytest.raises(ValueError, match="data.continuations_dir.*continuation='target'"):
+    train.validate(c)
+  c.data.continuations_dir, c.data.continuations_only = "", True
+  with pytest.raises(ValueError, match="data.continuations_only.*need data.continuations_dir"):
+    train.validate(c)
 
 @pytest.mark.slow
 def test_shipped_draft_loads_as_the_default():

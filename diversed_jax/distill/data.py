@@ -8,7 +8,8 @@ every position t,
   hidden_nld   the target's last hidden state f_t (post final norm; float16),
   topk_ids_nlk / topk_logp_nlk  its top-k next-token ids (uint16) and log-probs (float16).
 Shards are `shard_NNNNN.npz` files in the data folder, written atomically; generation
-resumes by skipping the shards already there.
+resumes by skipping the shards already there. The target's generated ids can also be kept
+in a small committed folder (`continuations.py`) from which lost shards are rebuilt.
 
 Shape legend: N sequences in a shard, L padded length, D target width, K top-k.
 """
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diversed_jax.distill import continuations
 from diversed_jax.models import transformer
 from diversed_jax.models.kv_cache import bucket_length
 
@@ -120,33 +122,32 @@ def teacher_forced(params, config, tokens_bl, *, top_k: int, chunk: int = 128):
   return hidden, ids, vals
 
 
-def make_shard(decoder, tokenizer, pairs, *, continuation: str, temperature: float,
-               max_new_tokens: int, top_k: int, seed: int) -> dict:
-  """One shard's arrays (see the module doc) for (prompt text, reference) pairs.
-
-  continuation: 'target' (the target generates it) or 'reference' (the dataset's answer in
-  the requested format, then EOS: teacher forcing only, about 20x cheaper on a CPU).
-  """
-  from diversed_jax.tokenizer import encode_prompt
-  prompts = [encode_prompt(tokenizer, t, chat=True) for t, _ in pairs]
-  if continuation == "target":
-    return shard_from_prompts(decoder, prompts, temperature=temperature,
-                              max_new_tokens=max_new_tokens, top_k=top_k, seed=seed)
-  eos = list(decoder.target.config.eos_token_ids[:1])
-  conts = [list(tokenizer(ref, add_special_tokens=False)["input_ids"])[:max_new_tokens] + eos
-           for _, ref in pairs]
-  return shard_from_sequences(decoder.target, prompts, conts, top_k=top_k,
-                              temperature=-1.0)
+def reference_continuations(tokenizer, pairs, eos_token_ids, max_new_tokens: int):
+  """The dataset's answers in the requested format, cut to `max_new_tokens`, then the
+  first EOS id (if any)."""
+  eos = list(eos_token_ids[:1])
+  return [list(tokenizer(ref, add_special_tokens=False)["input_ids"])[:max_new_tokens] + eos
+          for _, ref in pairs]
 
 
-def shard_from_prompts(decoder, prompts, *, temperature: float, max_new_tokens: int,
-                       top_k: int, seed: int, eos_token_ids=None) -> dict:
-  """One shard's arrays for prompts given as token-id lists."""
+def target_continuations(decoder, prompts, *, temperature: float, max_new_tokens: int,
+                         seed: int, eos_token_ids=None) -> list[list[int]]:
+  """The target's own continuations of token-id prompts (the loop's method 'ar')."""
   from diversed_jax.speculative.types import VerifyParams
   gen = decoder.generate(prompts, VerifyParams(method="ar", temperature=temperature),
                          max_new_tokens=max_new_tokens, seed=seed,
                          eos_token_ids=eos_token_ids)
-  return shard_from_sequences(decoder.target, prompts, gen.token_ids, top_k=top_k,
+  return gen.token_ids
+
+
+def shard_from_prompts(decoder, prompts, *, temperature: float, max_new_tokens: int,
+                       top_k: int, seed: int, eos_token_ids=None) -> dict:
+  """One shard's arrays for prompts given as token-id lists (generation, then teacher
+  forcing)."""
+  conts = target_continuations(decoder, prompts, temperature=temperature,
+                               max_new_tokens=max_new_tokens, seed=seed,
+                               eos_token_ids=eos_token_ids)
+  return shard_from_sequences(decoder.target, prompts, conts, top_k=top_k,
                               temperature=temperature)
 
 
@@ -186,28 +187,67 @@ def list_shards(folder: str) -> list[str]:
   return sorted(glob.glob(os.path.join(folder, "shard_[0-9][0-9][0-9][0-9][0-9].npz")))
 
 
-def generate(data_cfg, target, out_dir: str, log=print) -> int:
-  """Writes missing shards up to data_cfg.num_shards; returns the shard count on disk."""
+def continuations_folder(spec: str) -> str:
+  """data.continuations_dir: absolute, or relative to the package's data folder (the ids
+  are small and meant to be committed with it)."""
+  return spec if os.path.isabs(spec) else os.path.join(DATA_DIR, spec)
+
+
+def generate(data_cfg, target, out_dir: str, log=print, tokenizer=None) -> int:
+  """Writes missing shards up to data_cfg.num_shards; returns the shard count on disk.
+
+  With `data_cfg.continuations_dir` (continuation='target'), each shard's generated ids are
+  kept there (`continuations.py`): a missing shard whose ids exist is rebuilt by teacher
+  forcing alone, and existing shards get their ids written. With
+  `data_cfg.continuations_only`, only the ids are written (about half the cost of a shard;
+  a later run builds the shards from them).
+  """
   from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
-  from diversed_jax.tokenizer import load_tokenizer
+  from diversed_jax.tokenizer import encode_prompt, load_tokenizer
   sources = {"gsm8k": load_prompts("gsm8k", data_cfg.gsm8k_path, max_chars=10_000),
              "cnndm": load_prompts("cnndm", data_cfg.cnndm_path, max_chars=data_cfg.max_chars)}
   plan = shard_plan(sources, tuple(data_cfg.pattern), data_cfg.batch, data_cfg.seed)
-  tokenizer = load_tokenizer(data_cfg.tokenizer or target.name)
+  tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer or target.name)
   decoder = SpeculativeDecoder(ModelHandle(target.config, target.params))
+  keep = continuations_folder(data_cfg.continuations_dir) if data_cfg.continuations_dir else ""
+  ids_only = bool(data_cfg.continuations_only)
   temps = tuple(data_cfg.temperatures)
+  eos = target.config.eos_token_ids
   for index, (source, pairs) in enumerate(plan[:data_cfg.num_shards]):
-    if os.path.exists(shard_path(out_dir, index)):
+    have_shard = os.path.exists(shard_path(out_dir, index))
+    have_ids = bool(keep) and os.path.exists(continuations.path(keep, index))
+    if (have_shard or ids_only) and (have_ids or not keep):
       continue
     start = time.time()
     temperature = temps[(index // len(data_cfg.pattern)) % len(temps)]
+    if have_shard:  # ids of a shard written before they were kept: read them back
+      with np.load(shard_path(out_dir, index)) as arrays:
+        prompts, conts = continuations.from_shard(arrays)
+      continuations.save(keep, index, prompts, conts, temperature)
+      log(f"shard {index}: ids kept in {keep}")
+      continue
+    prompts = [encode_prompt(tokenizer, t, chat=True) for t, _ in pairs]
     max_new = data_cfg.max_new_tokens_cnndm if source == "cnndm" else data_cfg.max_new_tokens
-    arrays = make_shard(decoder, tokenizer, pairs, continuation=data_cfg.continuation,
-                        temperature=temperature,
-                        max_new_tokens=max_new, top_k=data_cfg.top_k,
-                        seed=data_cfg.seed * 100_003 + index)
-    save_shard(out_dir, index, arrays)
-    gen_tokens = int((arrays["lengths"] - arrays["prompt_lengths"]).sum())
-    log(f"shard {index} {source} {data_cfg.continuation} T={temperature} width={arrays['tokens'].shape[1]} "
-        f"generated={gen_tokens} in {time.time() - start:.1f}s")
+    if data_cfg.continuation == "reference":
+      conts = reference_continuations(tokenizer, pairs, eos, max_new)
+      temperature, how = -1.0, "reference"
+    elif have_ids:
+      conts = continuations.load(keep, index, prompts, temperature)
+      how = "kept ids"
+    else:
+      conts = target_continuations(decoder, prompts, temperature=temperature,
+                                   max_new_tokens=max_new,
+                                   seed=data_cfg.seed * 100_003 + index)
+      how = "generated"
+      if keep:
+        continuations.save(keep, index, prompts, conts, temperature)
+    new_tokens = sum(len(c) for c in conts)
+    if not ids_only:
+      arrays = shard_from_sequences(target, prompts, conts, top_k=data_cfg.top_k,
+                                    temperature=temperature)
+      save_shard(out_dir, index, arrays)
+    log(f"shard {index} {source} {how} T={temperature} continuation tokens={new_tokens}"
+        f"{' (ids only)' if ids_only else ''} in {time.time() - start:.1f}s")
+  if keep:
+    log(f"{continuations.count(keep)} continuation files in {keep}")
   return len(list_shards(out_dir))

@@ -32,6 +32,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
   checks = [
       ("mode", config.mode in MODES),
       ("data.continuation", config.data.continuation in ("reference", "target")),
+      ("data.continuations_dir",
+       not config.data.continuations_dir or config.data.continuation == "target",
+       "kept ids need data.continuation='target'"),
+      ("data.continuations_only",
+       not config.data.continuations_only or bool(config.data.continuations_dir),
+       "ids-only runs need data.continuations_dir"),
       ("draft.kind", config.draft.kind in architectures.KINDS),
       ("train.loss", config.train.loss in losses.LOSSES),
       ("train.unroll", config.train.unroll >= 1),
@@ -43,11 +49,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
       ("train.grow_layers", config.train.grow_layers >= 0),
       ("train.grow_layers", config.train.grow_layers == 0 or bool(config.train.init_from)),
   ]
-  for field, ok in checks:
+  for field, ok, *why in checks:
     if not ok:
       section, _, name = field.rpartition(".")
       value = (config[section] if section else config)[name]
-      raise ValueError(f"config.{field}={value!r} is invalid")
+      raise ValueError(f"config.{field}={value!r} is invalid" + "".join(f": {w}" for w in why))
 
 
 def _log_fn(workdir: str):
