@@ -279,7 +279,6 @@ def test_windows_and_vocab():
   assert batch["weight_bw"][0].tolist() == [0.25] * 3 + [1.0] * 6 + [0.0] * 7
 
 
-
 class _WordTokenizer:
   """Whitespace words hashed into the tiny vocabulary, with a one-line chat template."""
   chat_template = "user-turn"

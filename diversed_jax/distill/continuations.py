@@ -15,6 +15,7 @@ instead of pairing continuations with the wrong prompts.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 from typing import Sequence
@@ -81,7 +82,5 @@ def from_shard(arrays) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def count(folder: str) -> int:
-  if not os.path.isdir(folder):
-    return 0
-  return sum(1 for name in os.listdir(folder)
-             if name.startswith("cont_") and name.endswith(".npz") and ".tmp" not in name)
+  """Complete continuation files in `folder` (temporary ones excluded)."""
+  return len(glob.glob(os.path.join(folder, "cont_[0-9][0-9][0-9][0-9][0-9].npz")))
