@@ -233,6 +233,9 @@ def test_fine_tune_starts_from_a_draft_folder(target, shard_dir, tmp_path, base_
                tuned.state["params"], base.state["params"])
   np.testing.assert_array_equal(tuned.vocab_ids, base.vocab_ids)
   assert len(tuned.train()) == 7
+  tuned.export(str(tmp_path / "tuned"))
+  recipe = artifacts.read_draft(str(tmp_path / "tuned"))[3]["recipe"]
+  assert recipe["init_from"] == folder and recipe["loss"] == c.train.loss
 
 
 def test_grown_draft_starts_as_the_trained_one(target, shard_dir, tmp_path, base_draft):

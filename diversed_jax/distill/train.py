@@ -282,9 +282,14 @@ class Trainer:
     return results
 
   def export(self, folder: str, eval_results: dict | None = None) -> None:
+    tc, dc = self.config.train, self.config.data
+    # Where the draft came from, so a shipped folder says how to reproduce it.
+    recipe = {"init_from": tc.init_from, "grow_layers": tc.grow_layers, "loss": tc.loss,
+              "lr": tc.lr, "decay_steps": tc.decay_steps, "window": tc.window,
+              "unroll": tc.unroll, "data_dirs": [dc.dir, *dc.extra_train_dirs]}
     artifacts.save_draft(folder, self.draft, self.state["params"], self.vocab_ids,
                          self.target.name, extra={"eval": eval_results or {},
-                                                  "step": self.step})
+                                                  "step": self.step, "recipe": recipe})
     self.log(f"exported draft (step {self.step}) to {folder}")
 
 
