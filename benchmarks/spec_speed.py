@@ -69,6 +69,10 @@ _QUEUE = flags.DEFINE_integer(
     "batching (0: static batches of B prompts).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Interleaved timing repeats (best kept).")
+_SHRINK_TAIL = flags.DEFINE_bool(
+    "shrink_tail", True, "Batch sizes > 1: once no prompt is queued, continue with the "
+    "unfinished rows only (SpeculativeDecoder's shrink_tail; more compile time, which is "
+    "not timed).")
 _METHODS = flags.DEFINE_list("methods", ["sd", "lossy", "static", "diversed", "cascade",
                                          "mentored", "typical"], "Methods besides ar.")
 
@@ -91,13 +95,15 @@ def run_method(decoder, batches, verify, k, batch_size=None, max_new_tokens=None
 def main(argv):
   del argv
   _, tokenizer, decoder, info = load_decoder(_TARGET.value, _DRAFT.value)
+  decoder.shrink_tail = _SHRINK_TAIL.value
   prompts = gsm8k_test_prompts(tokenizer, max(
       _QUEUE.value, max(int(b) for b in _BATCH_SIZES.value) *
       max(1, _NUM_PROMPTS.value // min(int(b) for b in _BATCH_SIZES.value))))
   k = _NUM_DRAFT.value
   methods = ["ar"] + list(_METHODS.value)
   print(f"target={info['target']} draft={info['draft']} K={k} T={_TEMPERATURE.value} "
-        f"max_new_tokens={_MAX_NEW.value}, best of {_REPEATS.value} interleaved repeats")
+        f"max_new_tokens={_MAX_NEW.value}, shrink_tail={_SHRINK_TAIL.value}, best of "
+        f"{_REPEATS.value} interleaved repeats")
   for batch in (int(b) for b in _BATCH_SIZES.value):
     queued = batch > 1 and _QUEUE.value > batch
     if queued:  # one call: Q prompts through B rows

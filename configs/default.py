@@ -67,6 +67,10 @@ def base() -> ml_collections.ConfigDict:
   # Examples per decoding call; > batch_size: continuous batching (finished rows take the
   # next queued example, so no row idles waiting for a batch's slowest). 0: batch_size.
   c.decode.queue = 0
+  # Once no example is queued, continue with the unfinished rows only (B/2, B/4, ..., 1:
+  # the slowest rows stop paying for finished ones). Each width compiles one more round
+  # (~+10 s at batch 4 on CPU), so it pays for long calls (a large queue), not here.
+  c.decode.shrink_tail = False
 
   c.methods = ml_collections.ConfigDict()
   c.methods.run = "ar,sd,lossy,static,diversed"  # comma list of methods.FAMILIES

@@ -72,6 +72,13 @@ def test_draft_kinds_run_in_the_speculative_loop(target, kind):
   queued = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=0.0), num_draft=2,
                         max_new_tokens=10, eos_token_ids=(), batch_size=2)
   assert queued.token_ids == expected  # refilled rows get fresh draft caches and features
+  shrinking = decoder_lib.SpeculativeDecoder(
+      decoder_lib.ModelHandle(target.config, target.params), draft, params, shrink_tail=True)
+  # Three prompts over two rows: the last one decodes alone, in a shrunk batch of one.
+  shrunk = shrinking.generate(PROMPTS[:3], VerifyParams(method="sd", temperature=0.0),
+                              num_draft=2, max_new_tokens=10, eos_token_ids=(), batch_size=2)
+  assert shrunk.token_ids == expected[:3]  # the tail keeps each row's caches and features
+  assert 1 in shrunk.stats.width_r.tolist()  # a round ran with one row
   sampled = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=1.0), num_draft=3,
                          max_new_tokens=10, eos_token_ids=())
   assert all(len(t) == 10 for t in sampled.token_ids)

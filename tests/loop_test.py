@@ -148,6 +148,40 @@ def test_continuous_batching_gives_each_prompt_its_own_decoding(pair, method, nu
         assert queued.rounds == sum(len(a) for a in queued.accepted_per_round)
 
 
+@pytest.mark.parametrize("batch_size", [None, 3])  # widths 7, 3, 1 / queued: 3, 1
+def test_tail_shrinks_the_batch_to_its_unfinished_rows(pair, batch_size):
+  """Once no prompt is queued, the batch shrinks to its unfinished rows: the same tokens and
+  statistics as keeping every row to the end, with every column still the row that
+  started there, and each round as narrow as its unfinished rows allow."""
+  target, draft, draft_params = pair
+  greedy = VerifyParams(method="sd", temperature=0.0)
+  eos = _greedy_reference(target, QUEUE[1], 3)[2]  # rows finish at different rounds
+  runs = {shrink: decoder_lib.SpeculativeDecoder(
+      target, draft, draft_params, shrink_tail=shrink).generate(
+          QUEUE, greedy, num_draft=2, max_new_tokens=10, eos_token_ids=(eos,),
+          batch_size=batch_size) for shrink in (False, True)}
+  kept, shrunk = runs[False], runs[True]
+  rows = batch_size or len(QUEUE)
+  assert shrunk.token_ids == kept.token_ids
+  assert shrunk.accepted_per_round == kept.accepted_per_round
+  assert shrunk.rounds == kept.rounds
+  active = kept.stats.active_rb
+  np.testing.assert_array_equal(shrunk.stats.active_rb, active)
+  for field in ("prompt_rb", "num_accepted_rb", "accept_prob_rbk", "beta_rbk"):
+    want, got = getattr(kept.stats, field)[active], getattr(shrunk.stats, field)[active]
+    np.testing.assert_allclose(got, want, atol=1e-6, err_msg=field)
+  assert np.all(kept.stats.width_r == rows)
+  phases = (rows, *loop.default_tail_widths(rows))
+  widths = shrunk.stats.width_r.tolist()
+  assert set(widths) <= set(phases)
+  assert widths == sorted(widths, reverse=True) and widths[-1] < rows
+  unfinished = active.sum(axis=1)
+  assert np.all(unfinished <= widths)
+  # A round runs at a width only while the unfinished rows do not fit the next one.
+  next_width = dict(zip(phases, phases[1:] + (0,)))
+  assert all(u > next_width[w] for u, w in zip(unfinished, widths))
+
+
 def test_continuous_batching_rejects_a_bad_batch_size(pair):
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
@@ -184,14 +218,15 @@ def _called_from(comps: dict[str, list[str]], roots) -> set[str]:
   return seen
 
 
-@pytest.mark.parametrize("num_prompts,batch_size", [(4, None), (4, 2), (1, None)])
+@pytest.mark.parametrize("num_prompts,batch_size,tail_widths",
+                         [(4, None, ()), (4, 2, ()), (1, None, ()), (4, None, (2, 1))])
 @pytest.mark.parametrize("method,unstack", [("sd", False), ("sd", True), ("ar", True)])
 def test_round_loop_updates_the_caches_in_place(two_layer_pair, num_prompts, batch_size,
-                                                method, unstack):
-  """No cache-sized copy inside the compiled while loop: a copy there would move the whole
+                                                tail_widths, method, unstack):
+  """No cache-sized copy inside the compiled while loops: a copy there would move the whole
   cache every round (at batch 8 on SmolLM2, 189 MB a round). Checked for the stacked
   caches of scanned layers and the per-layer caches of unrolled ones (`unstack`: the
-  decoder's layouts). Outside the
+  decoder's layouts), and for the narrower caches of a shrunk tail. Outside the
   loop (the cache's initialisation) the same search finds one, so the search itself
   works."""
   target, draft, draft_params = two_layer_pair
@@ -205,7 +240,8 @@ def test_round_loop_updates_the_caches_in_place(two_layer_pair, num_prompts, bat
   text = loop.decode.lower(
       target_params, dec.draft_params if k else None, None, prompts, lengths,
       jax.random.PRNGKey(0), spec=spec, target_config=target.config,
-      draft=draft if k else None, cache_len=128, batch_size=batch_size).compile().as_text()
+      draft=draft if k else None, cache_len=128, batch_size=batch_size,
+      tail_widths=tail_widths).compile().as_text()
   comps = _hlo_computations(text)
   loops = [re.search(r"body=%([\w.\-]+)", line).group(1) for line in comps["ENTRY"]
            if " while(" in line and 'op_name="jit(decode)/while"' in line]
@@ -216,14 +252,18 @@ def test_round_loop_updates_the_caches_in_place(two_layer_pair, num_prompts, bat
              isinstance(target_params["layers"], tuple) and rows > 1)]
   if k:
     caches.append((draft.config.num_layers, unstack and rows > 1))
+  assert len(loops) >= 1 + len(tail_widths)
   for layers, per_layer in caches:
-    dims = (rows, 128, target.config.num_kv_heads, target.config.head_dim)
-    dims = dims if per_layer else (layers, *dims)
-    shape = re.escape(f"f32[{','.join(map(str, dims))}]") + r"\{[^}]*\} copy(-start)?\("
-    copies = {name for name, lines in comps.items() for line in lines if re.search(shape, line)}
-    assert copies, "the search found no cache copy anywhere: it is broken"
-    assert not copies & inside, [line for name in copies & inside for line in comps[name]
-                                 if re.search(shape, line)]
+    for width in (rows, *tail_widths):  # one row: stacked (KVCache.take_rows)
+      dims = (width, 128, target.config.num_kv_heads, target.config.head_dim)
+      dims = dims if per_layer and width > 1 else (layers, *dims)
+      shape = re.escape(f"f32[{','.join(map(str, dims))}]") + r"\{[^}]*\} copy(-start)?\("
+      copies = {name for name, lines in comps.items() for line in lines
+                if re.search(shape, line)}
+      if width == rows:
+        assert copies, "the search found no cache copy anywhere: it is broken"
+      assert not copies & inside, [line for name in copies & inside for line in comps[name]
+                                   if re.search(shape, line)]
 
 
 def test_compiles_once_per_prompt_bucket(pair):

@@ -80,6 +80,9 @@ class FeatureCache:
     return FeatureCache(self.kv.set_row(row, row_cache.kv),
                         self.feature_bd.at[row].set(row_cache.feature_bd[0]))
 
+  def take_rows(self, rows_w) -> "FeatureCache":
+    return FeatureCache(self.kv.take_rows(rows_w), jnp.take(self.feature_bd, rows_w, axis=0))
+
 
 @dataclasses.dataclass(frozen=True)
 class DistilledDraft:

@@ -77,7 +77,8 @@ class Models:
     weight_fn, params = head_io.load_head_folder(folder)
     base = self.decoders["default"]
     self.decoders["diversed"] = SpeculativeDecoder(base.target, base.draft, base.draft_params,
-                                                   weight_fn, params)
+                                                   weight_fn, params,
+                                                   shrink_tail=base.shrink_tail)
     self.info["head"] = folder
 
 
@@ -107,12 +108,13 @@ def load_models(config, settings, workdir: str | None = None, target=None,
   if drafts_needed - {"finetuned"} or not drafts_needed:
     decoder, built = build.build_decoder(
         target, config.model.draft or None, None, head_task,
-        need_draft=bool(drafts_needed - {"finetuned"}))
+        need_draft=bool(drafts_needed - {"finetuned"}), shrink_tail=config.decode.shrink_tail)
     decoders["default"] = decoder
     info.update(built)
   if "finetuned" in drafts_needed:
     decoder, built = build.build_decoder(target, config.model.finetuned_draft, None,
-                                         head_task, need_draft=True)
+                                         head_task, need_draft=True,
+                                         shrink_tail=config.decode.shrink_tail)
     decoders["finetuned"] = decoder
     info["finetuned_draft"] = built["draft"]
   if "default" not in decoders:

@@ -100,5 +100,16 @@ class KVCache:
                    jax.lax.dynamic_update_slice_in_dim(self.lengths_b, row_cache.lengths_b,
                                                        row, 0))
 
+  def take_rows(self, rows_w: jax.Array) -> "KVCache":
+    """The cache of rows `rows_w` [W] only, in that order (a shrinking batch keeps its
+    unfinished rows). One row goes back to the stacked layout, as
+    `transformer.per_layer_cache` picks for one row (per-layer, XLA:CPU would copy every
+    layer's buffer each step)."""
+    batch_axis = 0 if self.per_layer else 1
+    take = lambda x: jnp.take(x, rows_w, axis=batch_axis)
+    taken = KVCache(jax.tree.map(take, self.k), jax.tree.map(take, self.v),
+                    jnp.take(self.lengths_b, rows_w, axis=0))
+    return taken.as_layout(self.per_layer and rows_w.shape[0] > 1)
+
   def truncated(self, num_layers: int) -> "KVCache":
     return self.replace(k=self.k[:num_layers], v=self.v[:num_layers])

@@ -64,7 +64,7 @@ class SpeculativeDecoder:
 
   def __init__(self, target: ModelHandle, draft=None, draft_params=None, weight_fn=None,
                head_params=None, mesh=None, unstack: bool = True,
-               prefill_chunk: int = loop.PREFILL_CHUNK):
+               prefill_chunk: int = loop.PREFILL_CHUNK, shrink_tail: bool = False):
     """`mesh`: an optional jax.sharding.Mesh; rows are then split over its 'data' axis
     (the batch must divide by its size) and parameters replicated.
 
@@ -76,9 +76,16 @@ class SpeculativeDecoder:
     tokens: 20-30% faster than stacked). False keeps the caller's layout everywhere.
 
     `prefill_chunk`: prompt tokens per prefill pass (`loop.decode`).
+
+    `shrink_tail`: once no prompt is queued, the batch shrinks to its unfinished rows at
+    B/2, B/4, ... (`loop.decode`'s `tail_widths`), so the last slow rows do not pay for
+    the finished ones: on SmolLM2 at batch 8 with 48 queued prompts, greedy sd calls 4%
+    faster. Each width compiles one more round (batch 8: 13 -> 31 s; batch 4: ~10 ->
+    ~38 s), so it pays for long or repeated calls only; False (default) keeps all rows.
     """
     self.mesh = mesh
     self.prefill_chunk = prefill_chunk
+    self.shrink_tail = shrink_tail
     self.unstack = unstack
     if unstack and draft is not None and hasattr(draft, "inference_params"):
       draft_params = draft.inference_params(draft_params)
@@ -128,6 +135,11 @@ class SpeculativeDecoder:
             self.draft_params if uses_draft else None,
             self.head_params if verify.method == "diversed" else None,
             jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed))
+    rows = len(prompts) if batch_size is None else batch_size
+    # A sharded batch (no queue) shrinks by whole shards of the 'data' axis.
+    shard = (1 if self.mesh is None or batch_size is not None
+             else self.mesh.shape[mesh_lib.DATA])
+    tail_widths = loop.default_tail_widths(rows, shard) if self.shrink_tail else ()
     if self.mesh is not None:
       # A queue is read one prompt at a time by every device: replicate it.
       rows = (mesh_lib.batch_sharded(self.mesh) if batch_size is None
@@ -137,9 +149,10 @@ class SpeculativeDecoder:
     kwargs = dict(spec=spec, target_config=self.target.config,
                   draft=self.draft if uses_draft else None,
                   weight_fn=self.weight_fn if verify.method == "diversed" else None,
-                  cache_len=cache_len, batch_size=batch_size, prefill_chunk=self.prefill_chunk)
+                  cache_len=cache_len, batch_size=batch_size, prefill_chunk=self.prefill_chunk,
+                  tail_widths=tail_widths)
     compile_seconds = 0.0
-    signature = (spec, tokens.shape, cache_len, batch_size)
+    signature = (spec, tokens.shape, cache_len, batch_size, tail_widths)
     if signature not in self._executables:
       start = time.perf_counter()
       self._executables[signature] = loop.decode.lower(*args, **kwargs).compile()

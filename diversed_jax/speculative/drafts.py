@@ -13,8 +13,8 @@ the tokens are the draft's own proposals that the target has not seen yet. An in
 draft ignores it; a feature draft (EAGLE-style) reads it, and may keep its own features in
 its cache for the None case. The cache must support `.lengths_b` and
 `.with_lengths(lengths_b)` for roll-back (slots past the length are stale, never erased),
-and `.set_row(row, one_row_cache)` for continuous batching (a finished row takes a new
-prompt).
+`.set_row(row, one_row_cache)` for continuous batching (a finished row takes a new
+prompt) and `.take_rows(rows_w)` for the batch's tail (the loop drops finished rows).
 """
 
 from __future__ import annotations

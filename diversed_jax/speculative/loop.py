@@ -11,6 +11,9 @@ Each round (all rows at once, no host synchronisation):
   5. refill (continuous batching, when more prompts than rows are given): every finished
      row takes the next queued prompt, prefilled into that row's cache slots, so no row
      idles while its batch waits for the slowest one.
+Tail: once no prompt is queued and at most W rows are still decoding, the batch shrinks
+to those rows (`tail_widths`, e.g. B/2, B/4, ..., 1), so the rounds that only a few slow
+rows need stop paying for the finished ones (a round's cost grows with its rows).
 With K = 0 the same loop is plain autoregressive decoding (the baseline).
 
 Cache convention: after every round the target cache holds all committed tokens except
@@ -83,13 +86,15 @@ class LoopSpec:
 
 @flax.struct.dataclass
 class RoundStats:
-  """Per-round statistics, [R, B, ...]; rows inactive in a round have active_rb False."""
+  """Per-round statistics, [R, B, ...] (column b: the row that started as row b, also
+  after the tail shrinks the batch); rows inactive in a round have active_rb False."""
   active_rb: jax.Array  # bool
   prompt_rb: jax.Array  # int32, the prompt (index into the queue) a row served
   num_accepted_rb: jax.Array  # int32, n
   accept_prob_rbk: jax.Array  # a_i(x_i)
   beta_rbk: jax.Array  # 1 - TV(q_i, pi_i)
   weights_rbk: jax.Array  # w_i on the target (K+1 positions for the ensembles, else zeros)
+  width_r: jax.Array  # int32, the rows the round ran: B, or a tail width (`tail_widths`)
 
 
 @flax.struct.dataclass
@@ -109,6 +114,7 @@ class _State:
   last_two_b2: jax.Array  # the last two committed tokens; [:, 1] is the pending x0
   features_b2d: jax.Array  # target hidden states that predicted those two tokens
   prompt_b: jax.Array  # the prompt each row decodes
+  slot_b: jax.Array  # the row each row started as (its column of the statistics)
   next_prompt: jax.Array  # the first queued prompt (Q when the queue is empty)
   out_qn: jax.Array
   num_generated_q: jax.Array
@@ -241,13 +247,16 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
 
   r = state.round
   stats = state.stats
+  # Rows dropped by a shrunk tail batch keep their columns' zeros: inactive.
+  slots = state.slot_b
   stats = RoundStats(
-      active_rb=stats.active_rb.at[r].set(active),
-      prompt_rb=stats.prompt_rb.at[r].set(state.prompt_b),
-      num_accepted_rb=stats.num_accepted_rb.at[r].set(num_accepted),
-      accept_prob_rbk=stats.accept_prob_rbk.at[r].set(accept_prob),
-      beta_rbk=stats.beta_rbk.at[r].set(beta),
-      weights_rbk=stats.weights_rbk.at[r].set(weights.astype(jnp.float32)),
+      active_rb=stats.active_rb.at[r, slots].set(active),
+      prompt_rb=stats.prompt_rb.at[r, slots].set(state.prompt_b),
+      num_accepted_rb=stats.num_accepted_rb.at[r, slots].set(num_accepted),
+      accept_prob_rbk=stats.accept_prob_rbk.at[r, slots].set(accept_prob),
+      beta_rbk=stats.beta_rbk.at[r, slots].set(beta),
+      weights_rbk=stats.weights_rbk.at[r, slots].set(weights.astype(jnp.float32)),
+      width_r=stats.width_r.at[r].set(b),
   )
   return _State(
       round=r + 1, key=key,
@@ -255,7 +264,7 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
       draft_cache=draft_cache,
       last_two_b2=last_two,
       features_b2d=features,
-      prompt_b=state.prompt_b, next_prompt=state.next_prompt,
+      prompt_b=state.prompt_b, slot_b=state.slot_b, next_prompt=state.next_prompt,
       out_qn=out_qn, num_generated_q=state.num_generated_q.at[state.prompt_b].set(num_generated),
       num_generated_b=num_generated, done_b=done, stats=stats)
 
@@ -335,12 +344,37 @@ def _refill(target_config: ModelConfig, draft, params, prompt_qp, prompt_lengths
                             refill_one, state)
 
 
+def _shrink(state: _State, width: int) -> _State:
+  """Keeps `width` rows, the unfinished ones first (the caller ensures they fit), each
+  with its caches, tokens and counters; finished rows fill any remaining places."""
+  rows_w = jnp.argsort(state.done_b, stable=True)[:width]
+  take = lambda x: jnp.take(x, rows_w, axis=0)
+  return state.replace(
+      target_cache=state.target_cache.take_rows(rows_w),
+      draft_cache=None if state.draft_cache is None else state.draft_cache.take_rows(rows_w),
+      last_two_b2=take(state.last_two_b2), features_b2d=take(state.features_b2d),
+      prompt_b=take(state.prompt_b), slot_b=take(state.slot_b),
+      num_generated_b=take(state.num_generated_b),
+      done_b=take(state.done_b))
+
+
+def default_tail_widths(batch_size: int, multiple_of: int = 1) -> tuple[int, ...]:
+  """B/2, B/4, ... down to `multiple_of` (a sharded batch keeps whole shards)."""
+  widths, width = [], batch_size // 2
+  while width >= multiple_of and width % multiple_of == 0:
+    widths.append(width)
+    width //= 2
+  return tuple(widths)
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "target_config", "draft", "weight_fn",
-                                             "cache_len", "batch_size", "prefill_chunk"))
+                                             "cache_len", "batch_size", "prefill_chunk",
+                                             "tail_widths"))
 def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key, *,
            spec: LoopSpec, target_config: ModelConfig, draft=None,
            weight_fn: WeightFn | None = None, cache_len: int,
-           batch_size: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> DecodeResult:
+           batch_size: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
+           tail_widths: tuple[int, ...] = ()) -> DecodeResult:
   """Prefills both models and runs the speculative loop; everything in one program.
 
   Args:
@@ -352,6 +386,9 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
       prompts start and the others queue; each finished row takes the next queued
       prompt (continuous batching).
     prefill_chunk: prompt tokens per prefill pass (see `_prefill`).
+    tail_widths: decreasing batch widths below B: once the queue is empty and at most W
+      rows are unfinished, the loop continues with those rows only (one more compiled
+      round per width; `default_tail_widths` halves). () keeps all B rows to the end.
   Returns:
     DecodeResult with tokens_qn [Q, max_new_tokens + K + 1].
   """
@@ -361,6 +398,10 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     raise ValueError(f"batch_size={batch_size} must be in [1, {num_prompts}] (the prompts)")
   if prefill_chunk < 1:
     raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
+  tail_widths = tuple(tail_widths)
+  if any(not 1 <= w < v for w, v in zip(tail_widths, (b,) + tail_widths)):
+    raise ValueError(f"tail_widths={tail_widths} must decrease from below the batch size "
+                     f"{b} to >= 1")
   k = spec.num_draft
   if spec.verify.method == "diversed" and weight_fn is None:
     raise ValueError("method 'diversed' needs an ensemble head (weight_fn)")
@@ -374,7 +415,8 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
       round=jnp.zeros((), jnp.int32), key=key,
       target_cache=target_cache, draft_cache=draft_cache,
       last_two_b2=last_two, features_b2d=features_b2d,
-      prompt_b=jnp.arange(b, dtype=jnp.int32), next_prompt=jnp.asarray(b, jnp.int32),
+      prompt_b=jnp.arange(b, dtype=jnp.int32), slot_b=jnp.arange(b, dtype=jnp.int32),
+      next_prompt=jnp.asarray(b, jnp.int32),
       out_qn=jnp.zeros((num_prompts, spec.max_new_tokens + k + 1), jnp.int32),
       num_generated_q=jnp.zeros((num_prompts,), jnp.int32),
       num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.zeros((b,), bool),
@@ -384,7 +426,8 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
           num_accepted_rb=jnp.zeros((rounds, b), jnp.int32),
           accept_prob_rbk=jnp.zeros((rounds, b, k), jnp.float32),
           beta_rbk=jnp.zeros((rounds, b, k), jnp.float32),
-          weights_rbk=jnp.zeros((rounds, b, k + 1), jnp.float32)))
+          weights_rbk=jnp.zeros((rounds, b, k + 1), jnp.float32),
+          width_r=jnp.zeros((rounds,), jnp.int32)))
 
   params = (target_params, draft_params, head_params)
   round_fn = functools.partial(_round, spec, target_config, draft, weight_fn, params)
@@ -394,6 +437,19 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     body = lambda s: refill(round_fn(s))
   else:
     body = round_fn
-  state = jax.lax.while_loop(lambda s: (s.round < rounds) & ~jnp.all(s.done_b), body, state)
+  def running(s: _State, next_width: int | None):
+    go = (s.round < rounds) & ~jnp.all(s.done_b)
+    if next_width is None:
+      return go
+    fits = (s.next_prompt >= num_prompts) & (jnp.sum(~s.done_b) <= next_width)
+    return go & ~fits
+
+  widths = (b,) + tail_widths
+  state = jax.lax.while_loop(lambda s: running(s, widths[1] if tail_widths else None),
+                             body, state)
+  for i, width in enumerate(tail_widths):  # the queue is empty: only round_fn from here
+    next_width = widths[i + 2] if i + 2 < len(widths) else None
+    state = jax.lax.while_loop(functools.partial(running, next_width=next_width),
+                               round_fn, _shrink(state, width))
   return DecodeResult(tokens_qn=state.out_qn, num_generated_q=state.num_generated_q,
                       num_rounds=state.round, stats=state.stats)
