@@ -102,27 +102,32 @@ def test_resume_after_interruption(tmp_path, tiny_dir, monkeypatch):
 
 def test_continuous_batching_gives_the_same_per_example_records(tmp_path, tiny_dir,
                                                                  monkeypatch):
-  """decode.queue > batch_size decodes more examples per call through the same rows;
-  greedy completions and each example's rounds and accepted drafts are unchanged (ar and
-  exact SD: greedy, they are deterministic)."""
+  """decode.queue > batch_size decodes more examples per call through the same rows, and
+  decode.shrink_tail then finishes with the unfinished rows only; greedy completions and
+  each example's rounds and accepted drafts are unchanged (ar and exact SD: greedy, they
+  are deterministic)."""
   monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
-  by_queue = {}
-  for queue in (0, 5):
+  variants = {"static": (0, False), "queued": (5, False), "shrunk": (5, True)}
+  records = {}
+  for name, (queue, shrink) in variants.items():
     config = config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py:tiny"),
                                    {"methods.run": "ar,sd", "task.limit": 5,
-                                    "decode.temperature": 0.0, "decode.queue": queue})
+                                    "decode.temperature": 0.0, "decode.queue": queue,
+                                    "decode.shrink_tail": shrink})
     calls = []
-    evaluate.evaluate(config, str(tmp_path / f"q{queue}"), log=lambda m: None,
+    evaluate.evaluate(config, str(tmp_path / name), log=lambda m: None,
                       after_batch=lambda s, recs: calls.append(len(recs)))
     assert calls == ([2, 2, 1] * 2 if queue == 0 else [5] * 2)
-    lines = open(tmp_path / f"q{queue}" / "results.jsonl").read().splitlines()
-    by_queue[queue] = {(r["setting"], r["example_id"]): r for r in map(json.loads, lines)}
-  assert by_queue[0].keys() == by_queue[5].keys() and len(by_queue[0]) == 10
-  for key, static in by_queue[0].items():
-    queued = by_queue[5][key]
-    for field in ("completion", "num_tokens", "rounds", "accepted", "reward"):
-      assert queued[field] == static[field], (key, field)
-    assert queued["theory"] == pytest.approx(static["theory"], rel=1e-5)
+    lines = open(tmp_path / name / "results.jsonl").read().splitlines()
+    records[name] = {(r["setting"], r["example_id"]): r for r in map(json.loads, lines)}
+  assert len(records["static"]) == 10
+  for name in ("queued", "shrunk"):
+    assert records[name].keys() == records["static"].keys()
+    for key, static in records["static"].items():
+      got = records[name][key]
+      for field in ("completion", "num_tokens", "rounds", "accepted", "reward"):
+        assert got[field] == static[field], (name, key, field)
+      assert got["theory"] == pytest.approx(static["theory"], rel=1e-5)
 
 
 def test_a_queue_shorter_than_the_batch_is_refused(tiny_dir, monkeypatch):
