@@ -182,6 +182,25 @@ def test_tail_shrinks_the_batch_to_its_unfinished_rows(pair, batch_size):
   assert all(u > next_width[w] for u, w in zip(unfinished, widths))
 
 
+@pytest.mark.parametrize("tail_widths", [(4,), (2, 2), (2, 0)])
+def test_bad_tail_widths_are_refused(pair, tail_widths):
+  target, draft, draft_params = pair
+  spec = loop.LoopSpec(verify=VerifyParams(method="sd"), num_draft=2, max_new_tokens=4)
+  with pytest.raises(ValueError, match=re.escape(f"tail_widths={tail_widths}")):
+    loop.decode(target.params, draft_params, None, jnp.ones((4, 32), jnp.int32),
+                jnp.full((4,), 3, jnp.int32), jax.random.PRNGKey(0), spec=spec,
+                target_config=target.config, draft=draft, cache_len=64,
+                tail_widths=tail_widths)
+
+
+def test_default_tail_widths_halve_down_to_whole_shards():
+  assert loop.default_tail_widths(8) == (4, 2, 1)
+  assert loop.default_tail_widths(7) == (3, 1)
+  assert loop.default_tail_widths(1) == ()
+  assert loop.default_tail_widths(8, multiple_of=2) == (4, 2)
+  assert loop.default_tail_widths(6, multiple_of=2) == ()
+
+
 def test_continuous_batching_rejects_a_bad_batch_size(pair):
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)

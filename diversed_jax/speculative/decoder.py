@@ -135,11 +135,11 @@ class SpeculativeDecoder:
             self.draft_params if uses_draft else None,
             self.head_params if verify.method == "diversed" else None,
             jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed))
-    rows = len(prompts) if batch_size is None else batch_size
+    num_rows = len(prompts) if batch_size is None else batch_size
     # A sharded batch (no queue) shrinks by whole shards of the 'data' axis.
     shard = (1 if self.mesh is None or batch_size is not None
              else self.mesh.shape[mesh_lib.DATA])
-    tail_widths = loop.default_tail_widths(rows, shard) if self.shrink_tail else ()
+    tail_widths = loop.default_tail_widths(num_rows, shard) if self.shrink_tail else ()
     if self.mesh is not None:
       # A queue is read one prompt at a time by every device: replicate it.
       rows = (mesh_lib.batch_sharded(self.mesh) if batch_size is None
