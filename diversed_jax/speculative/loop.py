@@ -444,11 +444,10 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     fits = (s.next_prompt >= num_prompts) & (jnp.sum(~s.done_b) <= next_width)
     return go & ~fits
 
-  widths = (b,) + tail_widths
-  state = jax.lax.while_loop(lambda s: running(s, widths[1] if tail_widths else None),
+  next_widths = tail_widths + (None,)  # each phase runs until the next width fits
+  state = jax.lax.while_loop(functools.partial(running, next_width=next_widths[0]),
                              body, state)
-  for i, width in enumerate(tail_widths):  # the queue is empty: only round_fn from here
-    next_width = widths[i + 2] if i + 2 < len(widths) else None
+  for width, next_width in zip(tail_widths, next_widths[1:]):  # queue empty: no refill
     state = jax.lax.while_loop(functools.partial(running, next_width=next_width),
                                round_fn, _shrink(state, width))
   return DecodeResult(tokens_qn=state.out_qn, num_generated_q=state.num_generated_q,
