@@ -7,11 +7,14 @@ For the target and a draft on GSM8K-test prompts (the shipped sample) it prints,
 size and method: tokens/s, the measured speed-up over autoregressive decoding, and the
 speed-up predicted from three measured quantities,
 
-  predicted = tokens_per_round / (draft_steps * c + r)
+  predicted = tokens_per_round / (c2 + (draft_steps - 1) * c + r)
 
 with tokens_per_round the mean committed tokens per round (acceptance), c the draft/target
-cost ratio of one decoding step, r the verify/decode cost ratio (a target forward over K+1
-tokens vs over 1 token) and draft_steps = K (K+1 for rules whose bonus needs q_{K+1}).
+cost ratio of one decoding step, c2 that of the round's first draft call (a two-token
+catch-up on the last committed tokens), r the verify/decode cost ratio (a target forward
+over K+1 tokens vs over 1 token) and draft_steps = K (K+1 for rules whose bonus needs
+q_{K+1}); `speculative.step_costs` times the four calls. (Before session 18 the prediction
+took the catch-up call as a one-token step, draft_steps * c + r: 1-3% more optimistic.)
 Loop efficiency = measured / predicted says how much the loop itself (sampling,
 verification, bookkeeping) costs beyond the model calls; the goal is >= 0.9.
 
@@ -27,17 +30,19 @@ The end-to-end tokens/s and speed-up (prefill included) are printed too.
 In a batch, rows commit different numbers of tokens per round and a static batch runs
 until its slowest row is done, so from batch 2 on the per-row tokens_per_round overstates
 what a batch round yields. `pred/batch` and `eff/batch` use instead the per-row tokens per
-BATCH round (tokens / (batch rounds x B)), relative to the same figure of autoregressive
+BATCH round (tokens / the rows the rounds ran), relative to the same figure of autoregressive
 decoding (below 1 when rows stop early on EOS): the loop's own overhead without the
 raggedness of the batch. `--queue=Q` (Q > B) decodes Q prompts per call with B rows and
 continuous batching instead (a finished row takes the next prompt), which removes most of
 that raggedness: only the last prompts' tail is ragged. `busy` = the rows' occupancy, active
-row-rounds / (batch rounds x B), so pred/batch = predicted x busy(method) / busy(ar): a
-per-row efficiency below eff/batch is a method's rows idling more than AR's (a lossy rule
+row-rounds / the rows the rounds ran (batch rounds x B without `--shrink_tail`), so
+pred/batch = predicted x busy(method) / busy(ar): a per-row efficiency below eff/batch is a method's rows idling more than AR's (a lossy rule
 changes the text, hence every prompt's length and when the tail runs out), not loop cost.
 
-`calls` = the model calls' share of the decoding phase: loop iterations x (draft_steps x
-draft step + verification) / measured seconds (for ar: iterations x decoding step). It
+`calls` = the model calls' share of the decoding phase: loop iterations x (catch-up call +
+(draft_steps - 1) x draft step + verification) / measured seconds (for ar: iterations x
+decoding step; a shrunk tail's rounds are counted at the whole batch's cost, so with
+`--shrink_tail` it reads a few per cent high for every method, ar included). It
 splits the efficiency into two factors, efficiency ~= calls(method) / calls(ar): a `calls`
 above 1 means the step costs were timed in a slower phase of the host than the decoding
 (this shared host's speed drifts), so read the pair, not one figure. `eff/rep` is the same
@@ -78,9 +83,10 @@ _METHODS = flags.DEFINE_list("methods", ["sd", "lossy", "static", "diversed", "c
 
 
 def run_method(decoder, batches, verify, k, batch_size=None, max_new_tokens=None):
-  """(tokens, seconds per batch [n], batch rounds, summaries) over all batches; compile
-  time excluded."""
-  tokens = batch_rounds = 0
+  """(tokens, seconds per batch [n], batch rounds, row slots, summaries) over all batches;
+  compile time excluded. Row slots = the rows the rounds ran, summed (a shrunk tail's
+  rounds run fewer than the batch's)."""
+  tokens = batch_rounds = row_slots = 0
   seconds, summaries = [], []
   for chunk in batches:
     out = decoder.generate(chunk, verify, num_draft=k, batch_size=batch_size,
@@ -88,8 +94,9 @@ def run_method(decoder, batches, verify, k, batch_size=None, max_new_tokens=None
     tokens += out.num_tokens
     seconds.append(out.seconds)
     batch_rounds += out.rounds
+    row_slots += int(np.sum(out.stats.width_r))
     summaries.append(metrics.summarize(out.stats, out.num_tokens, verify.method != "ar"))
-  return tokens, np.asarray(seconds), batch_rounds, summaries
+  return tokens, np.asarray(seconds), batch_rounds, row_slots, summaries
 
 
 def main(argv):
@@ -136,8 +143,8 @@ def main(argv):
       costs.append(step_costs.measure(decoder, batch, k, cache_len))
       # One-token calls: the prefills (every prompt's, refills included) plus their rounds.
       for with_draft, (verify, steps) in one_token.items():
-        _, seconds, one_token_rounds[with_draft], _ = run_method(decoder, batches, verify,
-                                                                 steps, rows, 1)
+        _, seconds, one_token_rounds[with_draft], _, _ = run_method(decoder, batches, verify,
+                                                                    steps, rows, 1)
         one_token_reps[with_draft].append(seconds)
       for m in shuffle.permutation(methods):
         runs[m] = run_method(decoder, batches, verify_params[m], k, rows)
@@ -153,7 +160,7 @@ def main(argv):
       # The prompts' prefills are a fixed cost outside the rounds that the prediction
       # models: the decoding phase = a call's time minus its prefills = a one-token call's
       # time (`one_token_s`, per batch) minus its rounds (one step, or one sd round, each).
-      round_s = k * cost.draft_s + cost.verify_s if with_draft else cost.decode_s
+      round_s = cost.round_s(k) if with_draft else cost.decode_s
       return max(float(np.sum(one_token_s)) - one_token_rounds[with_draft] * round_s, 0.0)
 
     prefill_s = {d: prefill_seconds(np.min(one_token_reps[d], axis=0), d, best_costs)
@@ -171,7 +178,7 @@ def main(argv):
     layout = (f"{len(batches[0])} prompts per call, continuous batching" if queued
               else f"{len(batches)} calls")
     print(f"\nbatch {batch} ({layout}): target step {decode_s * 1e3:.1f} ms, verify/decode "
-          f"r={r:.2f}, draft/target c={c:.3f}, cache {cache_len} slots, prefills per call: "
+          f"r={r:.2f}, draft/target c={c:.3f} (catch-up call c2={best_costs.catchup_s / decode_s:.3f}), cache {cache_len} slots, prefills per call: "
           f"target {prefill_s[False] / len(batches) * 1e3:.0f} ms, both models "
           f"{prefill_s[True] / len(batches) * 1e3:.0f} ms (draft/target "
           f"{prefill_s[True] / prefill_s[False] - 1:.3f})")
@@ -181,14 +188,15 @@ def main(argv):
           f"{'busy':>5s} {'accept':>7s} {'tok/round':>9s}")
     ar_rate = ar_phase_rate = ar_tpr_batch = None
     for m in methods:
-      tokens, _, batch_rounds, summaries = runs[m]
+      tokens, _, batch_rounds, row_slots, summaries = runs[m]
       rate = tokens / best_s[m]
       phase_rate = tokens / (best_s[m] - prefill_s[m != "ar"])
       row_rounds = sum(s["rounds"] for s in summaries)  # rounds in which a row was active
       tpr = tokens / row_rounds  # per row and round
-      # A batch runs until its slowest row is done: per-row tokens per BATCH round.
-      tpr_batch = tokens / (batch_rounds * batch)
-      busy = row_rounds / (batch_rounds * batch)
+      # A batch runs until its slowest row is done: per-row tokens per BATCH round (per
+      # row the rounds ran: a shrunk tail runs fewer).
+      tpr_batch = tokens / row_slots
+      busy = row_rounds / row_slots
       if m == "ar":
         ar_rate, ar_phase_rate, ar_tpr_batch = rate, phase_rate, tpr_batch
         calls = batch_rounds * decode_s * phase_rate / tokens
@@ -196,8 +204,7 @@ def main(argv):
               f"{'':49s} {calls:6.2f} {busy:5.2f}")
         continue
       steps = loop.LoopSpec(verify_params[m], k).num_draft_steps
-      round_s = steps * best_costs.draft_s + best_costs.verify_s
-      calls = batch_rounds * round_s * phase_rate / tokens
+      calls = batch_rounds * best_costs.round_s(steps) * phase_rate / tokens
       predicted = best_costs.predicted_speedup(tpr, steps)
       predicted_batch = best_costs.predicted_speedup(tpr_batch / ar_tpr_batch, steps)
       accept = np.mean([s["acceptance_rate"] for s in summaries])

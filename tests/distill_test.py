@@ -14,7 +14,7 @@ from diversed_jax.distill import architectures, artifacts, batches, continuation
 from diversed_jax.models import ModelConfig, init_params, transformer
 from diversed_jax.models.loading import LoadedModel
 from diversed_jax.speculative import decoder as decoder_lib
-from diversed_jax.speculative import loop
+from diversed_jax.speculative import loop, step_costs
 from diversed_jax.speculative.types import VerifyParams
 
 VOCAB = 64
@@ -82,6 +82,10 @@ def test_draft_kinds_run_in_the_speculative_loop(target, kind):
   sampled = dec.generate(PROMPTS, VerifyParams(method="sd", temperature=1.0), num_draft=3,
                          max_new_tokens=10, eos_token_ids=())
   assert all(len(t) == 10 for t in sampled.token_ids)
+  # The step costs time both kinds' calls, the catch-up call with the target's features.
+  costs = step_costs.measure(dec, batch=2, num_draft=3, cache_len=32, repeats=1,
+                             steps_per_call=2)
+  assert min(costs.draft_s, costs.catchup_s) > 0
 
 
 def _valid_slots(cache, lengths_b):

@@ -344,12 +344,14 @@ def test_step_costs_time_the_decoder_calls_and_predict_the_speedup(pair):
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
   costs = step_costs.measure(dec, batch=2, num_draft=3, cache_len=32, repeats=2)
-  assert min(costs.decode_s, costs.verify_s, costs.draft_s) > 0
+  assert min(costs.decode_s, costs.verify_s, costs.draft_s, costs.catchup_s) > 0
   assert costs.c == pytest.approx(costs.draft_s / costs.decode_s)
-  # tokens_per_round / (draft_steps * c + r), hand-computed for fixed costs.
-  fixed = step_costs.StepCosts(decode_s=0.02, verify_s=0.03, draft_s=0.002)
-  assert fixed.predicted_speedup(2.5, 4) == pytest.approx(2.5 / (4 * 0.1 + 1.5))
-  best = step_costs.StepCosts.best([fixed, step_costs.StepCosts(0.01, 0.05, 0.003)])
-  assert best == step_costs.StepCosts(0.01, 0.03, 0.002)
+  # tokens_per_round / (c2 + (draft_steps - 1) * c + r), hand-computed for fixed costs:
+  # c2 = 0.15 (the catch-up call), c = 0.1, r = 1.5.
+  fixed = step_costs.StepCosts(decode_s=0.02, verify_s=0.03, draft_s=0.002, catchup_s=0.003)
+  assert fixed.round_s(4) == pytest.approx(0.003 + 3 * 0.002 + 0.03)
+  assert fixed.predicted_speedup(2.5, 4) == pytest.approx(2.5 / (0.15 + 3 * 0.1 + 1.5))
+  best = step_costs.StepCosts.best([fixed, step_costs.StepCosts(0.01, 0.05, 0.003, 0.002)])
+  assert best == step_costs.StepCosts(0.01, 0.03, 0.002, 0.002)
   with pytest.raises(ValueError, match="draft"):
     step_costs.measure(decoder_lib.SpeculativeDecoder(target), 1, 3, 32)
