@@ -14,7 +14,7 @@ cost ratio of one decoding step, c2 that of the round's first draft call (a two-
 catch-up on the last committed tokens), r the verify/decode cost ratio (a target forward
 over K+1 tokens vs over 1 token) and draft_steps = K (K+1 for rules whose bonus needs
 q_{K+1}); `speculative.step_costs` times the four calls. (Before session 18 the prediction
-took the catch-up call as a one-token step, draft_steps * c + r: 1-3% more optimistic.)
+took the catch-up call as a one-token step, draft_steps * c + r: 1-2% more optimistic.)
 Loop efficiency = measured / predicted says how much the loop itself (sampling,
 verification, bookkeeping) costs beyond the model calls; the goal is >= 0.9.
 
