@@ -30,14 +30,15 @@ The end-to-end tokens/s and speed-up (prefill included) are printed too.
 In a batch, rows commit different numbers of tokens per round and a static batch runs
 until its slowest row is done, so from batch 2 on the per-row tokens_per_round overstates
 what a batch round yields. `pred/batch` and `eff/batch` use instead the per-row tokens per
-BATCH round (tokens / the rows the rounds ran), relative to the same figure of autoregressive
-decoding (below 1 when rows stop early on EOS): the loop's own overhead without the
-raggedness of the batch. `--queue=Q` (Q > B) decodes Q prompts per call with B rows and
+BATCH round (tokens / the rows the rounds ran), relative to the same figure of
+autoregressive decoding (below 1 when rows stop early on EOS): the loop's own overhead
+without the raggedness of the batch. `--queue=Q` (Q > B) decodes Q prompts per call with B rows and
 continuous batching instead (a finished row takes the next prompt), which removes most of
 that raggedness: only the last prompts' tail is ragged. `busy` = the rows' occupancy, active
 row-rounds / the rows the rounds ran (batch rounds x B without `--shrink_tail`), so
-pred/batch = predicted x busy(method) / busy(ar): a per-row efficiency below eff/batch is a method's rows idling more than AR's (a lossy rule
-changes the text, hence every prompt's length and when the tail runs out), not loop cost.
+pred/batch = predicted x busy(method) / busy(ar): a per-row efficiency below eff/batch is a
+method's rows idling more than AR's (a lossy rule changes the text, hence every prompt's
+length and when the tail runs out), not loop cost.
 
 `calls` = the model calls' share of the decoding phase: loop iterations x (catch-up call +
 (draft_steps - 1) x draft step + verification) / measured seconds (for ar: iterations x
@@ -178,7 +179,8 @@ def main(argv):
     layout = (f"{len(batches[0])} prompts per call, continuous batching" if queued
               else f"{len(batches)} calls")
     print(f"\nbatch {batch} ({layout}): target step {decode_s * 1e3:.1f} ms, verify/decode "
-          f"r={r:.2f}, draft/target c={c:.3f} (catch-up call c2={best_costs.catchup_s / decode_s:.3f}), cache {cache_len} slots, prefills per call: "
+          f"r={r:.2f}, draft/target c={c:.3f} (catch-up call "
+          f"c2={best_costs.catchup_s / decode_s:.3f}), cache {cache_len} slots, prefills per call: "
           f"target {prefill_s[False] / len(batches) * 1e3:.0f} ms, both models "
           f"{prefill_s[True] / len(batches) * 1e3:.0f} ms (draft/target "
           f"{prefill_s[True] / prefill_s[False] - 1:.3f})")
