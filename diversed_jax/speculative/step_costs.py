@@ -8,11 +8,11 @@ mean committed tokens per round and the cost ratios of a round's model calls:
 c = draft step / target decoding step, r = target verification over K+1 tokens / target
 decoding step, and c2 = the round's first draft call / target decoding step: that call
 catches the draft up on the last two committed tokens (with the target's features of
-them), so it is a two-token forward, 1.3-1.6x a one-token draft step here. `measure` times the
-four calls as the loop makes them: in the parameter and cache layouts the decoder uses for
-each, inside one compiled loop (updated in place; undonated, XLA copies the whole cache
-every call and a step looks up to 2x slower at batch 8; called one step at a time, the
-unrolled layout's dispatch added milliseconds a step).
+them), so it is a two-token forward, 1.3-1.6x a one-token draft step here. `measure`
+times the four calls as the loop makes them: in the parameter and cache layouts the
+decoder uses for each, inside one compiled loop (updated in place; undonated, XLA copies
+the whole cache every call and a step looks up to 2x slower at batch 8; called one step at
+a time, the unrolled layout's dispatch added milliseconds a step).
 """
 
 from __future__ import annotations
