@@ -1,6 +1,7 @@
 """The speculative loop end to end on tiny random models, plus the real SmolLM2 (slow)."""
 
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -343,9 +344,18 @@ def test_step_costs_time_the_decoder_calls_and_predict_the_speedup(pair):
   from diversed_jax.speculative import step_costs
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  samples = step_costs.sample_calls(dec, batch=2, num_draft=3, cache_len=32, repeats=3,
+                                   steps_per_call=2)
+  assert samples.shape == (3, 4) and np.all(samples > 0)  # repeats x the four calls
   costs = step_costs.measure(dec, batch=2, num_draft=3, cache_len=32, repeats=2)
   assert min(costs.decode_s, costs.verify_s, costs.draft_s, costs.catchup_s) > 0
   assert costs.c == pytest.approx(costs.draft_s / costs.decode_s)
+  # measure = each call's median sample, here of fixed samples (an outlier in each column).
+  fixed_samples = np.array([[0.02, 0.03, 0.002, 0.003], [0.09, 0.04, 0.001, 0.009],
+                            [0.03, 0.05, 0.004, 0.004]])
+  with mock.patch.object(step_costs, "sample_calls", return_value=fixed_samples):
+    assert step_costs.measure(dec, 2, 3, 32) == step_costs.StepCosts(0.03, 0.04, 0.002,
+                                                                      0.004)
   # tokens_per_round / (c2 + (draft_steps - 1) * c + r), hand-computed for fixed costs:
   # c2 = 0.15 (the catch-up call), c = 0.1, r = 1.5.
   fixed = step_costs.StepCosts(decode_s=0.02, verify_s=0.03, draft_s=0.002, catchup_s=0.003)
