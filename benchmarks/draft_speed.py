@@ -4,8 +4,8 @@
 
 Measures, in one run:
   cost       draft step / target decoding step, batch 1, one token, in the decoder's
-             layouts with donated caches (diversed_jax.speculative.step_costs), best of
-             --repeats; also r, the verify/decode cost ratio at K = --accept_k;
+             layouts with donated caches (diversed_jax.speculative.step_costs: each
+             call's median sample), best of --repeats; also r, the verify/decode cost ratio at K = --accept_k;
   accept     exact SD at temperature 1: mean beta = sum_x min(p, q) over drafted positions
              (GSM8K-test and CNN/DM-test prompts, zero-shot task prompts), and per
              drafting step (step j > 1 drafts from the draft's own earlier features);
@@ -63,8 +63,8 @@ def _prompts(tokenizer, task: str, n: int) -> list[list[int]]:
 
 def step_cost(dec, k: int, repeats: int, cache_len: int = 512) -> dict:
   """Draft step / target decoding step at batch 1 in the decoder's layouts, caches donated
-  (`step_costs.measure`), each call's best over `repeats` interleaved samples; also the
-  verify/decode ratio r at K = k."""
+  (`step_costs.measure`, each call's median sample), the best of `repeats` measurements;
+  also the verify/decode ratio r at K = k."""
   from diversed_jax.speculative import step_costs
   costs = step_costs.StepCosts.best(
       [step_costs.measure(dec, 1, k, cache_len) for _ in range(repeats)])

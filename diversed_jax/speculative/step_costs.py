@@ -31,7 +31,7 @@ from diversed_jax.models.config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
-  """Seconds of one call of each kind (best of the repeats)."""
+  """Seconds of one call of each kind (`measure`: each call's median sample)."""
   decode_s: float  # target, one token per row
   verify_s: float  # target, K+1 tokens per row
   draft_s: float  # draft, one token per row
