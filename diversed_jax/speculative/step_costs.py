@@ -88,7 +88,7 @@ def sample_calls(decoder, batch: int, num_draft: int, cache_len: int, repeats: i
   repeat, so that all four are sampled in the same phases of the host (its speed drifts by
   10-20% over seconds). Needs a decoder with a draft."""
   if decoder.draft is None:
-    raise ValueError("step_costs.measure needs a decoder with a draft (draft=None)")
+    raise ValueError("step_costs needs a decoder with a draft (draft=None)")
   target, draft = decoder.target, decoder.draft
   params, draft_params = decoder.target_params(), decoder.draft_params
   half_full = lambda cache: cache.with_lengths(jnp.full((batch,), cache_len // 2, jnp.int32))
