@@ -18,6 +18,18 @@ took the catch-up call as a one-token step, draft_steps * c + r: 1-2% more optim
 Loop efficiency = measured / predicted says how much the loop itself (sampling,
 verification, bookkeeping) costs beyond the model calls; the goal is >= 0.9.
 
+Timing protocol (session 20; `speculative.paired_timing`): this host's speed drifts by
+10-25% over minutes, more than the loop's own cost, so every method call is timed between
+two autoregressive calls (AR, m1, AR, m2, ..., AR; the methods in a new random order
+every repeat) and compared with the mean of the two; the step costs are sampled and a
+one-token call is made just before each call. The prediction takes the median of all the
+step-cost samples of a batch size (only their ratios matter, and one short sample's are
+noisy); `calls` takes the sample beside the call. Every figure printed is the median over a
+method's `--repeats` pairs, and `(range)` spans its efficiencies; a last line pools every
+method's pairs (the loop is shared: its efficiency with the most samples). (Until session
+19 each method kept its fastest repeat and the step costs their fastest sample, so a
+method's and AR's best times could come from different phases of the host.)
+
 The prediction models the rounds only, so the speed-ups it is compared with are those of
 the decoding phase: each call's time minus its prompt prefills, measured by one-token calls
 (max_new_tokens=1) minus their rounds' step costs: an autoregressive one for the target's
@@ -45,20 +57,20 @@ length and when the tail runs out), not loop cost.
 decoding step; a shrunk tail's rounds are counted at the whole batch's cost, so with
 `--shrink_tail` it reads a few per cent high for every method, ar included). It
 splits the efficiency into two factors, efficiency ~= calls(method) / calls(ar): a `calls`
-above 1 means the step costs were timed in a slower phase of the host than the decoding
-(this shared host's speed drifts), so read the pair, not one figure. `eff/rep` is the same
-efficiency computed within each repeat (its own step costs, prefills and calls, measured
-minutes apart at most; methods run in a new random order every repeat), median over the
-repeats: a check on `efficiency`, whose best-of figures may come from different phases.
+above 1 means the step costs were sampled in a slower phase of the host than the decoding,
+so read the pair, not one figure.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import numpy as np
 from absl import app, flags
 
 from diversed_jax.models.kv_cache import bucket_length
-from diversed_jax.speculative import loop, metrics, step_costs
+from diversed_jax.speculative import loop, metrics, paired_timing, step_costs
 from diversed_jax.speculative.decoder import PROMPT_BUCKETS
 from diversed_jax.speculative.types import VerifyParams
 
@@ -74,7 +86,10 @@ _QUEUE = flags.DEFINE_integer(
     "queue", 0, "At batch sizes B > 1: prompts per call, decoded by B rows with continuous "
     "batching (0: static batches of B prompts).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Interleaved timing repeats (best kept).")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 3, "Timed calls of each method, each between two autoregressive calls.")
+_OUT = flags.DEFINE_string(
+    "out", None, "JSON file for every pair's raw timings and step costs (re-analysis).")
 _SHRINK_TAIL = flags.DEFINE_bool(
     "shrink_tail", True, "Batch sizes > 1: once no prompt is queued, continue with the "
     "unfinished rows only (SpeculativeDecoder's shrink_tail; more compile time, which is "
@@ -84,20 +99,25 @@ _METHODS = flags.DEFINE_list("methods", ["sd", "lossy", "static", "diversed", "c
 
 
 def run_method(decoder, batches, verify, k, batch_size=None, max_new_tokens=None):
-  """(tokens, seconds per batch [n], batch rounds, row slots, summaries) over all batches;
-  compile time excluded. Row slots = the rows the rounds ran, summed (a shrunk tail's
-  rounds run fewer than the batch's)."""
-  tokens = batch_rounds = row_slots = 0
-  seconds, summaries = [], []
+  """(tokens, seconds, batch rounds, row rounds, row slots, summaries) of one pass over
+  all batches of prompts; compile time excluded. Row slots = the rows the rounds ran,
+  summed (a shrunk tail's rounds run fewer than the batch's)."""
+  tokens = seconds = batch_rounds = row_slots = 0
+  summaries = []
   for chunk in batches:
     out = decoder.generate(chunk, verify, num_draft=k, batch_size=batch_size,
                            max_new_tokens=max_new_tokens or _MAX_NEW.value)
     tokens += out.num_tokens
-    seconds.append(out.seconds)
+    seconds += out.seconds
     batch_rounds += out.rounds
     row_slots += int(np.sum(out.stats.width_r))
     summaries.append(metrics.summarize(out.stats, out.num_tokens, verify.method != "ar"))
-  return tokens, np.asarray(seconds), batch_rounds, row_slots, summaries
+  row_rounds = sum(s["rounds"] for s in summaries)  # rounds in which a row was active
+  return tokens, seconds, batch_rounds, row_rounds, row_slots, summaries
+
+
+def _median(values) -> float:
+  return float(np.median(list(values)))
 
 
 def main(argv):
@@ -108,10 +128,11 @@ def main(argv):
       _QUEUE.value, max(int(b) for b in _BATCH_SIZES.value) *
       max(1, _NUM_PROMPTS.value // min(int(b) for b in _BATCH_SIZES.value))))
   k = _NUM_DRAFT.value
-  methods = ["ar"] + list(_METHODS.value)
+  methods = list(_METHODS.value)
   print(f"target={info['target']} draft={info['draft']} K={k} T={_TEMPERATURE.value} "
-        f"max_new_tokens={_MAX_NEW.value}, shrink_tail={_SHRINK_TAIL.value}, best of "
-        f"{_REPEATS.value} interleaved repeats")
+        f"max_new_tokens={_MAX_NEW.value}, shrink_tail={_SHRINK_TAIL.value}, "
+        f"{_REPEATS.value} pairs per method")
+  results = {}  # written to --out after each batch size
   for batch in (int(b) for b in _BATCH_SIZES.value):
     queued = batch > 1 and _QUEUE.value > batch
     if queued:  # one call: Q prompts through B rows
@@ -122,100 +143,107 @@ def main(argv):
       batches = [b for b in batches if len(b) == batch]
     width = max(len(p) for p in prompts)
     cache_len = bucket_length(bucket_length(width, PROMPT_BUCKETS) + _MAX_NEW.value + k + 2)
-    verify_params = {m: VerifyParams(method=m, temperature=_TEMPERATURE.value) for m in methods}
-    for m in methods:  # compile every program before timing anything
-      decoder.generate(batches[0], verify_params[m], num_draft=k, batch_size=rows,
+    verify_params = {m: VerifyParams(method=m, temperature=_TEMPERATURE.value)
+                     for m in ["ar"] + methods}
+    # One-token calls time the prefills: without the draft (ar) and with it (sd; every
+    # draft method prefills the same way).
+    one_token = {m: (VerifyParams(method="ar" if m == "ar" else "sd",
+                                  temperature=_TEMPERATURE.value), 0 if m == "ar" else k)
+                 for m in verify_params}
+    for m, verify in verify_params.items():  # compile every program before timing
+      decoder.generate(batches[0], verify, num_draft=k, batch_size=rows,
                        max_new_tokens=_MAX_NEW.value)
-    # One-token calls time the prefills: without the draft (ar) and with it (sd).
-    one_token = {False: (VerifyParams(method="ar", temperature=_TEMPERATURE.value), 0),
-                 True: (VerifyParams(method="sd", temperature=_TEMPERATURE.value), k)}
-    for verify, steps in one_token.values():
-      decoder.generate(batches[0], verify, num_draft=steps, batch_size=rows, max_new_tokens=1)
-    # Timings interleave methods and step costs over the repeats (the machine's speed
-    # drifts), in a new random order every repeat; every call (method and batch of
-    # prompts) keeps its best repeat, so a slow phase of the host spoils one call's
-    # sample, not a whole method's. Each repeat's own times are kept too (`eff/rep`).
-    best_s = {m: np.full(len(batches), np.inf) for m in methods}
-    rep_s = {m: [] for m in methods}
-    runs, costs = {}, []
-    one_token_reps, one_token_rounds = {False: [], True: []}, {}
+    for verify, steps in {"ar": one_token["ar"], "sd": one_token["sd"]}.values():
+      decoder.generate(batches[0], verify, num_draft=steps, batch_size=rows,
+                       max_new_tokens=1)
+
+    def timed_slot(m):
+      """Step costs, then the one-token call, then the call itself: adjacent in time."""
+      costs = step_costs.measure(decoder, batch, k, cache_len, repeats=3)
+      verify, steps = one_token[m]
+      tokens1_s, rounds1 = run_method(decoder, batches, verify, steps, rows, 1)[1:3]
+      round_s = costs.decode_s if m == "ar" else costs.round_s(steps)
+      tokens, seconds, batch_rounds, row_rounds, row_slots, summaries = run_method(
+          decoder, batches, verify_params[m], k, rows)
+      timing = paired_timing.CallTiming(
+          seconds=seconds, prefill_s=paired_timing.prefill_seconds(tokens1_s, rounds1, round_s),
+          tokens=tokens, batch_rounds=batch_rounds, row_rounds=row_rounds,
+          row_slots=row_slots)
+      return timing, costs, summaries
+
+    # Every method call sits between two AR calls, in a new random order of the methods
+    # every repeat: AR, m1, AR, m2, ..., AR.
+    pairs = {m: [] for m in methods}
+    ar_slots, accept = [], {m: [] for m in methods}
     shuffle = np.random.default_rng(0)
     for rep in range(_REPEATS.value):
-      costs.append(step_costs.measure(decoder, batch, k, cache_len))
-      # One-token calls: the prefills (every prompt's, refills included) plus their rounds.
-      for with_draft, (verify, steps) in one_token.items():
-        _, seconds, one_token_rounds[with_draft], _, _ = run_method(decoder, batches, verify,
-                                                                    steps, rows, 1)
-        one_token_reps[with_draft].append(seconds)
+      ar_slots.append(timed_slot("ar")[:2])
       for m in shuffle.permutation(methods):
-        runs[m] = run_method(decoder, batches, verify_params[m], k, rows)
-        best_s[m] = np.minimum(best_s[m], runs[m][1])
-        rep_s[m].append(float(runs[m][1].sum()))
-      print(f"  batch {batch}, repeat {rep + 1}/{_REPEATS.value}: "
-            + ", ".join(f"{m} {rep_s[m][-1]:.1f} s" for m in methods), flush=True)
-    best_s = {m: float(s.sum()) for m, s in best_s.items()}
-    best_costs = step_costs.StepCosts.best(costs)
-    decode_s, c, r = best_costs.decode_s, best_costs.c, best_costs.r
-
-    def prefill_seconds(one_token_s, with_draft: bool, cost: step_costs.StepCosts):
-      # The prompts' prefills are a fixed cost outside the rounds that the prediction
-      # models: the decoding phase = a call's time minus its prefills = a one-token call's
-      # time (`one_token_s`, per batch) minus its rounds (one step, or one sd round, each).
-      round_s = cost.round_s(k) if with_draft else cost.decode_s
-      return max(float(np.sum(one_token_s)) - one_token_rounds[with_draft] * round_s, 0.0)
-
-    prefill_s = {d: prefill_seconds(np.min(one_token_reps[d], axis=0), d, best_costs)
-                 for d in (False, True)}
-
-    def repeat_efficiency(m, tpr, steps):
-      """Median over repeats of the efficiency from that repeat's own times and costs."""
-      effs = []
-      for i, cost in enumerate(costs):
-        pre = {d: prefill_seconds(one_token_reps[d][i], d, cost) for d in (False, True)}
-        ar_phase = rep_s["ar"][i] - pre[False]
-        phase = rep_s[m][i] - pre[True]
-        effs.append(ar_phase / phase / cost.predicted_speedup(tpr, steps))
-      return float(np.median(effs))
+        timing, costs, summaries = timed_slot(m)
+        ar_slots.append(timed_slot("ar")[:2])
+        pairs[m].append(paired_timing.Pair(
+            method=timing, ar_before=ar_slots[-2][0], ar_after=ar_slots[-1][0], costs=costs,
+            local_costs=costs, draft_steps=loop.LoopSpec(verify_params[m], k).num_draft_steps))
+        accept[m] += [s["acceptance_rate"] for s in summaries]
+        print(f"  batch {batch}, repeat {rep + 1}/{_REPEATS.value}: {m} "
+              f"{timing.seconds:.1f} s between ar {ar_slots[-2][0].seconds:.1f} s and "
+              f"{ar_slots[-1][0].seconds:.1f} s: efficiency {pairs[m][-1].efficiency:.2f} "
+              "(from this pair's step costs)", flush=True)
+    # The prediction takes the median of every step-cost sample of the batch size: a
+    # 3-repeat sample's ratios are noisy (see paired_timing.Pair).
+    all_costs = [c for _, c in ar_slots] + [p.local_costs for ps in pairs.values() for p in ps]
+    median_costs = step_costs.StepCosts(*(
+        _median(getattr(c, f.name) for c in all_costs)
+        for f in dataclasses.fields(step_costs.StepCosts)))
+    pairs = {m: [dataclasses.replace(p, costs=median_costs) for p in ps]
+             for m, ps in pairs.items()}
+    if _OUT.value:
+      results[f"batch_{batch}"] = {
+          "median_costs": dataclasses.asdict(median_costs),
+          "ar_slots": [{"timing": dataclasses.asdict(t), "costs": dataclasses.asdict(c)}
+                       for t, c in ar_slots],
+          "pairs": {m: [dataclasses.asdict(p) for p in ps] for m, ps in pairs.items()}}
+      with open(_OUT.value, "w") as f:
+        json.dump(results, f, indent=1)
+    decode_s = median_costs.decode_s
+    ar_timings = [t for t, _ in ar_slots]
+    sd_prefill_s = _median(p.method.prefill_s for ps in pairs.values() for p in ps)
+    ar_prefill_s = _median(t.prefill_s for t in ar_timings)
     layout = (f"{len(batches[0])} prompts per call, continuous batching" if queued
               else f"{len(batches)} calls")
-    print(f"\nbatch {batch} ({layout}): target step {decode_s * 1e3:.1f} ms, verify/decode "
-          f"r={r:.2f}, draft/target c={c:.3f} (catch-up call "
-          f"c2={best_costs.catchup_s / decode_s:.3f}), cache {cache_len} slots, prefills per call: "
-          f"target {prefill_s[False] / len(batches) * 1e3:.0f} ms, both models "
-          f"{prefill_s[True] / len(batches) * 1e3:.0f} ms (draft/target "
-          f"{prefill_s[True] / prefill_s[False] - 1:.3f})")
+    print(f"\nbatch {batch} ({layout}), medians over the samples: target step "
+          f"{decode_s * 1e3:.1f} ms, verify/decode r={median_costs.r:.2f}, "
+          f"draft/target c={median_costs.c:.3f} (catch-up call "
+          f"c2={median_costs.catchup_s / decode_s:.3f}), cache {cache_len} slots, prefills "
+          f"per call: target {ar_prefill_s / len(batches) * 1e3:.0f} ms, both models "
+          f"{sd_prefill_s / len(batches) * 1e3:.0f} ms")
     print(f"{'method':10s} {'tok/s':>7s} {'speedup':>7s} {'| decoding phase:':>17s} "
           f"{'tok/s':>6s} {'speedup':>7s} {'predicted':>9s} {'efficiency':>10s} "
-          f"{'eff/rep':>7s} {'pred/batch':>10s} {'eff/batch':>9s} {'calls':>6s} "
+          f"{'(range)':>11s} {'pred/batch':>10s} {'eff/batch':>9s} {'calls':>6s} "
           f"{'busy':>5s} {'accept':>7s} {'tok/round':>9s}")
-    ar_rate = ar_phase_rate = ar_tpr_batch = None
+    print(f"{'ar':10s} {_median(t.tokens / t.seconds for t in ar_timings):7.1f} "
+          f"{1.0:7.2f} {'':17s} {_median(t.tokens / t.phase_s for t in ar_timings):6.1f} "
+          f"{1.0:7.2f} {'':53s} "
+          f"{_median(paired_timing.ar_calls(t, c) for t, c in ar_slots):6.2f} "
+          f"{_median(t.busy for t in ar_timings):5.2f}")
     for m in methods:
-      tokens, _, batch_rounds, row_slots, summaries = runs[m]
-      rate = tokens / best_s[m]
-      phase_rate = tokens / (best_s[m] - prefill_s[m != "ar"])
-      row_rounds = sum(s["rounds"] for s in summaries)  # rounds in which a row was active
-      tpr = tokens / row_rounds  # per row and round
-      # A batch runs until its slowest row is done: per-row tokens per BATCH round (per
-      # row the rounds ran: a shrunk tail runs fewer).
-      tpr_batch = tokens / row_slots
-      busy = row_rounds / row_slots
-      if m == "ar":
-        ar_rate, ar_phase_rate, ar_tpr_batch = rate, phase_rate, tpr_batch
-        calls = batch_rounds * decode_s * phase_rate / tokens
-        print(f"{m:10s} {rate:7.1f} {1.0:7.2f} {'':17s} {phase_rate:6.1f} {1.0:7.2f} "
-              f"{'':49s} {calls:6.2f} {busy:5.2f}")
-        continue
-      steps = loop.LoopSpec(verify_params[m], k).num_draft_steps
-      calls = batch_rounds * best_costs.round_s(steps) * phase_rate / tokens
-      predicted = best_costs.predicted_speedup(tpr, steps)
-      predicted_batch = best_costs.predicted_speedup(tpr_batch / ar_tpr_batch, steps)
-      accept = np.mean([s["acceptance_rate"] for s in summaries])
-      speedup = phase_rate / ar_phase_rate
-      print(f"{m:10s} {rate:7.1f} {rate / ar_rate:7.2f} {'':17s} {phase_rate:6.1f} "
-            f"{speedup:7.2f} {predicted:9.2f} {speedup / predicted:10.2f} "
-            f"{repeat_efficiency(m, tpr, steps):7.2f} "
-            f"{predicted_batch:10.2f} {speedup / predicted_batch:9.2f} {calls:6.2f} "
-            f"{busy:5.2f} {accept:7.3f} {tpr:9.2f}", flush=True)
+      ps = pairs[m]
+      figure = lambda name: _median(getattr(p, name) for p in ps)
+      effs = [p.efficiency for p in ps]
+      print(f"{m:10s} {_median(p.method.tokens / p.method.seconds for p in ps):7.1f} "
+            f"{figure('speedup'):7.2f} {'':17s} "
+            f"{_median(p.method.tokens / p.method.phase_s for p in ps):6.1f} "
+            f"{figure('phase_speedup'):7.2f} {figure('predicted'):9.2f} "
+            f"{figure('efficiency'):10.2f} {f'{min(effs):.2f}-{max(effs):.2f}':>11s} "
+            f"{figure('predicted_batch'):10.2f} {figure('efficiency_batch'):9.2f} "
+            f"{figure('calls'):6.2f} {_median(p.method.busy for p in ps):5.2f} "
+            f"{np.mean(accept[m]):7.3f} "
+            f"{_median(p.method.tokens_per_round for p in ps):9.2f}", flush=True)
+    # The loop is shared by every method; pooled, its efficiency has the most samples.
+    pooled = [p.efficiency for ps in pairs.values() for p in ps]
+    quartiles = np.percentile(pooled, [25, 50, 75])
+    print(f"all methods: efficiency median {quartiles[1]:.2f} (quartiles {quartiles[0]:.2f}-"
+          f"{quartiles[2]:.2f}) over {len(pooled)} pairs", flush=True)
 
 
 if __name__ == "__main__":
