@@ -161,13 +161,13 @@ def main(argv):
       """Step costs, then the one-token call, then the call itself: adjacent in time."""
       costs = step_costs.measure(decoder, batch, k, cache_len, repeats=3)
       verify, steps = one_token[m]
-      tokens1_s, rounds1 = run_method(decoder, batches, verify, steps, rows, 1)[1:3]
+      one_token_s, one_token_rounds = run_method(decoder, batches, verify, steps, rows, 1)[1:3]
       round_s = costs.decode_s if m == "ar" else costs.round_s(steps)
+      prefill_s = paired_timing.prefill_seconds(one_token_s, one_token_rounds, round_s)
       tokens, seconds, batch_rounds, row_rounds, row_slots, summaries = run_method(
           decoder, batches, verify_params[m], k, rows)
       timing = paired_timing.CallTiming(
-          seconds=seconds, prefill_s=paired_timing.prefill_seconds(tokens1_s, rounds1, round_s),
-          tokens=tokens, batch_rounds=batch_rounds, row_rounds=row_rounds,
+          seconds=seconds, prefill_s=prefill_s, tokens=tokens, batch_rounds=batch_rounds, row_rounds=row_rounds,
           row_slots=row_slots)
       return timing, costs, summaries
 
