@@ -192,9 +192,7 @@ def main(argv):
     # The prediction takes the median of every step-cost sample of the batch size: a
     # 3-repeat sample's ratios are noisy (see paired_timing.Pair).
     all_costs = [c for _, c in ar_slots] + [p.local_costs for ps in pairs.values() for p in ps]
-    median_costs = step_costs.StepCosts(*(
-        _median(getattr(c, f.name) for c in all_costs)
-        for f in dataclasses.fields(step_costs.StepCosts)))
+    median_costs = step_costs.StepCosts.median(all_costs)
     pairs = {m: [dataclasses.replace(p, costs=median_costs) for p in ps]
              for m, ps in pairs.items()}
     if _OUT.value:

@@ -75,3 +75,9 @@ def test_a_ragged_batch_is_taken_out_of_the_batch_prediction():
 def test_prefill_is_the_one_token_call_less_its_rounds():
   assert prefill_seconds(0.5, 8, 0.025) == pytest.approx(0.3)
   assert prefill_seconds(0.1, 8, 0.025) == 0.0  # noise never makes it negative
+
+
+def test_median_step_costs_take_each_call_separately():
+  slow = StepCosts(*(2 * x for x in dataclasses.astuple(COSTS)))
+  odd = dataclasses.replace(COSTS, verify_s=0.5)
+  assert StepCosts.median([COSTS, slow, odd]) == dataclasses.replace(COSTS, verify_s=0.03)

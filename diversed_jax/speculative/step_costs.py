@@ -54,6 +54,11 @@ class StepCosts:
     return tokens_per_round * self.decode_s / self.round_s(draft_steps)
 
   @staticmethod
+  def median(samples: list["StepCosts"]) -> "StepCosts":
+    """Each call's median sample: the typical cost (only the ratios feed a prediction)."""
+    return StepCosts(*np.median([dataclasses.astuple(s) for s in samples], axis=0).tolist())
+
+  @staticmethod
   def best(samples: list["StepCosts"]) -> "StepCosts":
     """Each call's fastest sample (the host's speed drifts between samples)."""
     return StepCosts(*(min(getattr(s, f.name) for s in samples)
