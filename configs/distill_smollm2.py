@@ -75,4 +75,8 @@ def get_config():
   c.train.seed = 0  # init and batch sampling seed
   c.train.init_from = ""  # draft asset folder or workdir to fine-tune from ('' = fresh)
   c.train.grow_layers = 0  # with init_from: layers appended, starting as the identity
+  # With init_from: choose the kept vocabulary (draft.vocab_keep ids) anew from the training
+  # shards instead of keeping the folder's; the head rows are the target's frozen embedding,
+  # so nothing trained depends on which ids are kept.
+  c.train.reselect_vocab = False
   return c

@@ -1,6 +1,7 @@
 """Draft distillation on tiny random models: both draft kinds inside the real speculative
 loop, a short run lowering the loss, checkpoint resume, and the shipped draft (slow)."""
 
+import dataclasses
 import importlib.util
 import os
 import zlib
@@ -249,6 +250,27 @@ def test_fine_tune_starts_from_a_draft_folder(target, shard_dir, tmp_path, base_
   assert recipe["init_from"] == folder and recipe["loss"] == c.train.loss
 
 
+def test_fine_tune_can_choose_its_vocabulary_anew(target, shard_dir, tmp_path, base_draft):
+  """reselect_vocab: the kept ids come from the training shards, in the configured number."""
+  base, folder = base_draft
+  c = _from_folder(shard_dir, tmp_path / "revocab", "feature", 3, folder)
+  c.train.reselect_vocab = True
+  c.draft.vocab_keep = len(base.vocab_ids) + 8
+  tuned = train.Trainer(c, target, log=_quiet)
+  tuned.pool.use(tuned.pool.available())
+  want, _ = batches.choose_vocab(tuned.pool.sequences, c.draft.vocab_keep,
+                                 target.config.vocab_size, c.train.prompt_weight)
+  np.testing.assert_array_equal(tuned.vocab_ids, want)
+  assert len(tuned.vocab_ids) == len(base.vocab_ids) + 8
+  np.testing.assert_array_equal(tuned.frozen["head_embed"],
+                                np.asarray(target.params["embed"])[want])
+  assert len(tuned.train()) == 3
+  tuned.export(str(tmp_path / "revocab_draft"))
+  _, _, vocab, meta = artifacts.read_draft(str(tmp_path / "revocab_draft"))
+  np.testing.assert_array_equal(vocab, want)
+  assert meta["recipe"]["reselect_vocab"] is True
+
+
 def test_grown_draft_starts_as_the_trained_one(target, shard_dir, tmp_path, base_draft):
   """grow_layers appends identity layers: same logits and features at step 0, then trains."""
   base, folder = base_draft
@@ -285,6 +307,12 @@ def test_windows_and_vocab():
                          topk_logp=np.log(np.full((10, 2), 0.5)).astype(np.float16), source="")
   ids, coverage = batches.choose_vocab([seq], 3, 12)
   assert coverage == pytest.approx(1.0) and 0 in ids and 1 in ids
+  # Prompt positions count prompt_weight times: id 5 fills the prompt, id 7 the continuation.
+  ids_57 = np.where(np.arange(10)[:, None] + 1 < 4, 5, 7).astype(np.uint16)
+  seq_57 = dataclasses.replace(seq, topk_ids=np.concatenate([ids_57, ids_57], axis=1))
+  assert batches.choose_vocab([seq_57], 1, 12, always=())[0].tolist() == [7]
+  ids, coverage = batches.choose_vocab([seq_57], 1, 12, prompt_weight=3.0, always=())
+  assert ids.tolist() == [5] and coverage == pytest.approx(9 / 16)
   batch = batches.window_batch([seq], rng, 2, 16, batches.kept_index(ids, 12), 0.25)
   row = batch["tokens_bw"][0]
   assert row[:10].tolist() == list(range(10))

@@ -117,14 +117,20 @@ def window_batch(sequences: list[Sequence], rng: np.random.Generator, batch: int
   return out
 
 
-def choose_vocab(sequences: list[Sequence], keep: int, vocab_size: int,
+def choose_vocab(sequences: list[Sequence], keep: int, vocab_size: int, prompt_weight: float = 1.0,
                  always=(0, 1, 2)) -> tuple[np.ndarray, float]:
   """The `keep` ids with the largest total target probability mass over the data (plus the
-  special ids in `always`); returns (sorted ids, fraction of the top-k mass they cover)."""
+  special ids in `always`); returns (sorted ids, fraction of the top-k mass they cover).
+
+  Positions that predict a prompt token count `prompt_weight` times, as in the loss: the draft
+  proposes after the prompt, and a CNN/DM article's vocabulary is not its summary's.
+  """
   mass = np.zeros(vocab_size, np.float64)
   for s in sequences:
-    np.add.at(mass, s.topk_ids.astype(np.int64).ravel(),
-              np.exp(s.topk_logp.astype(np.float64)).ravel())
+    probs = np.exp(s.topk_logp.astype(np.float64))
+    in_prompt = np.arange(len(probs)) + 1 < s.prompt_length
+    probs *= np.where(in_prompt, prompt_weight, 1.0)[:, None]
+    np.add.at(mass, s.topk_ids.astype(np.int64).ravel(), probs.ravel())
   ranked = np.argsort(-mass)
   chosen = set(int(i) for i in always if i < vocab_size)
   for i in ranked:

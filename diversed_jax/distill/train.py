@@ -161,12 +161,12 @@ class Trainer:
       num_shards = None
     if os.path.exists(vocab_path):
       vocab_ids = np.load(vocab_path)
-    elif init_meta is not None:
+    elif init_meta is not None and not tc.reselect_vocab:
       vocab_ids = init_vocab
     else:
       self.pool.use(num_shards)
       vocab_ids, coverage = batches.choose_vocab(self.pool.sequences, self.config.draft.vocab_keep,
-                                                 self.target.config.vocab_size)
+                                                 self.target.config.vocab_size, tc.prompt_weight)
       self.log(f"kept vocabulary {len(vocab_ids)} ids cover {coverage:.4f} of the target's "
                "top-k mass")
     np.save(vocab_path, vocab_ids)
@@ -284,7 +284,8 @@ class Trainer:
   def export(self, folder: str, eval_results: dict | None = None) -> None:
     tc, dc = self.config.train, self.config.data
     # Where the draft came from, so a shipped folder says how to reproduce it.
-    recipe = {"init_from": tc.init_from, "grow_layers": tc.grow_layers, "loss": tc.loss,
+    recipe = {"init_from": tc.init_from, "grow_layers": tc.grow_layers,
+              "reselect_vocab": tc.reselect_vocab, "loss": tc.loss,
               "lr": tc.lr, "decay_steps": tc.decay_steps, "window": tc.window,
               "unroll": tc.unroll, "data_dirs": [dc.dir, *dc.extra_train_dirs]}
     artifacts.save_draft(folder, self.draft, self.state["params"], self.vocab_ids,
