@@ -76,6 +76,12 @@ class ShardPool:
         self.num_shards += 1
 
 
+def position_weights(s: Sequence, prompt_weight: float) -> np.ndarray:
+  """[L] weight of each position's next-token prediction: prompt_weight while the next token
+  is still in the prompt, 1 once it is generated."""
+  return np.where(np.arange(len(s.tokens)) + 1 < s.prompt_length, prompt_weight, 1.0)
+
+
 def window_batch(sequences: list[Sequence], rng: np.random.Generator, batch: int, window: int,
                  kept_index_v: np.ndarray, prompt_weight: float) -> dict:
   """A batch of windows.
@@ -110,9 +116,8 @@ def window_batch(sequences: list[Sequence], rng: np.random.Generator, batch: int
     out["features_bwd"][row, m - len(prev):m] = prev
     out["topk_kept_bwk"][row, :m] = kept_index_v[s.topk_ids[start:stop].astype(np.int64)]
     out["topk_logp_bwk"][row, :m] = s.topk_logp[start:stop]
-    pos = np.arange(start, stop)
-    w = np.where(pos + 1 < s.prompt_length, prompt_weight, 1.0)
-    w[pos + 1 >= n] = 0.0
+    w = position_weights(s, prompt_weight)[start:stop]
+    w[np.arange(start, stop) + 1 >= n] = 0.0
     out["weight_bw"][row, :m] = w
   return out
 
@@ -127,9 +132,7 @@ def choose_vocab(sequences: list[Sequence], keep: int, vocab_size: int, prompt_w
   """
   mass = np.zeros(vocab_size, np.float64)
   for s in sequences:
-    probs = np.exp(s.topk_logp.astype(np.float64))
-    in_prompt = np.arange(len(probs)) + 1 < s.prompt_length
-    probs *= np.where(in_prompt, prompt_weight, 1.0)[:, None]
+    probs = np.exp(s.topk_logp.astype(np.float64)) * position_weights(s, prompt_weight)[:, None]
     np.add.at(mass, s.topk_ids.astype(np.int64).ravel(), probs.ravel())
   ranked = np.argsort(-mass)
   chosen = set(int(i) for i in always if i < vocab_size)
