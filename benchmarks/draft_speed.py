@@ -169,7 +169,9 @@ def main(argv):
   cnn = _prompts(tokenizer, "cnndm", n)
   if _COMPARE.value:
     drafts = {spec: (draft, draft_params)}
-    drafts.update({folder: build.load_draft(folder, target)[:2] for folder in _COMPARE.value})
+    same = os.path.realpath(spec)  # a folder listed twice (as --draft too) is measured once
+    drafts.update({folder: build.load_draft(folder, target)[:2] for folder in _COMPARE.value
+                   if os.path.realpath(folder) != same})
     for name, (draft_obj, _) in drafts.items():
       if not hasattr(draft_obj, "train_forward"):
         raise app.UsageError(f"--compare needs distilled draft folders; {name} is not one")

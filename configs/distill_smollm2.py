@@ -5,6 +5,8 @@
   python -m diversed_jax.distill --config=configs/distill_smollm2.py \
       --config.train.init_from=diversed_jax/assets/drafts/smollm2-135m-feature \
       --config.train.loss=tvd --config.train.lr=3e-4   # fine-tune (how the shipped one was)
+  python -m diversed_jax.distill --config=configs/distill_smollm2.py --config.mode=shrink_vocab \
+      --config.train.init_from=FOLDER --config.draft.vocab_keep=8192 --config.export_dir=OUT
 """
 
 import ml_collections
@@ -12,10 +14,11 @@ import ml_collections
 
 def get_config():
   c = ml_collections.ConfigDict()
-  c.mode = "train"  # 'data' (write target shards), 'train', or 'export' (best -> asset folder)
+  c.mode = "train"  # data (write target shards), train, export (best -> asset folder),
+  # or shrink_vocab (train.init_from with draft.vocab_keep of its ids -> export_dir)
   c.target = "smollm2-135m-instruct"  # registry name, folder or GGUF of the target
   c.workdir = "runs/distill_smollm2"  # checkpoints, logs; git-ignored
-  c.export_dir = ""  # for mode=export: the asset folder to write
+  c.export_dir = ""  # for mode=export and shrink_vocab: the asset folder to write
 
   c.data = ml_collections.ConfigDict()
   c.data.dir = "runs/distill_ref_smollm2"  # shard folder shared by data and train modes

@@ -271,6 +271,37 @@ def test_fine_tune_can_choose_its_vocabulary_anew(target, shard_dir, tmp_path, b
   assert meta["recipe"]["reselect_vocab"] is True
 
 
+def test_shrunk_draft_keeps_its_heaviest_ids(target, shard_dir, tmp_path, base_draft):
+  """shrink_vocab: half the draft's ids, those of most target mass on the training shards; the
+  trainable parameters are the folder's; bad sizes and a missing folder are named."""
+  base, folder = base_draft
+  c = _from_folder(shard_dir, tmp_path / "shrink", "feature", 0, folder)
+  c.mode, c.export_dir = "shrink_vocab", str(tmp_path / "small")
+  c.draft.vocab_keep = len(base.vocab_ids) // 2
+  results = train.shrink_vocab(c, target, log=_quiet)
+  _, params, ids, meta = artifacts.read_draft(c.export_dir)
+  assert len(ids) == c.draft.vocab_keep and set(ids.tolist()) <= set(base.vocab_ids.tolist())
+  mass = np.zeros(VOCAB)
+  pool = batches.ShardPool(shard_dir, tuple(c.train.eval_shards))
+  pool.use(pool.available())
+  for s in pool.sequences:
+    weights = batches.position_weights(s, c.train.prompt_weight)[:, None]
+    np.add.at(mass, s.topk_ids.astype(int).ravel(), (np.exp(s.topk_logp) * weights).ravel())
+  dropped = sorted(set(base.vocab_ids.tolist()) - set(ids.tolist()))
+  ranked = [i for i in ids.tolist() if i > 2]  # 0-2 are always kept
+  assert min(mass[ranked]) >= max(mass[dropped])
+  _, base_params, _, _ = artifacts.read_draft(folder)
+  jax.tree.map(np.testing.assert_array_equal, params, base_params)
+  assert meta["recipe"]["mode"] == "shrink_vocab" and meta["eval"]["score"] == results["score"]
+  assert 0.0 <= results["score"] <= 1.0
+  c.draft.vocab_keep = len(base.vocab_ids) + 1
+  with pytest.raises(ValueError, match=f"draft.vocab_keep={c.draft.vocab_keep}"):
+    train.shrink_vocab(c, target, log=_quiet)
+  c.train.init_from = ""
+  with pytest.raises(ValueError, match="train.init_from"):
+    train.validate(c)
+
+
 def test_grown_draft_starts_as_the_trained_one(target, shard_dir, tmp_path, base_draft):
   """grow_layers appends identity layers: same logits and features at step 0, then trains."""
   base, folder = base_draft
@@ -313,6 +344,8 @@ def test_windows_and_vocab():
   assert batches.choose_vocab([seq_57], 1, 12, always=())[0].tolist() == [7]
   ids, coverage = batches.choose_vocab([seq_57], 1, 12, prompt_weight=3.0, always=())
   assert ids.tolist() == [5] and coverage == pytest.approx(9 / 16)
+  # candidates: the heaviest of the given ids only.
+  assert batches.choose_vocab([seq_57], 1, 12, always=(), candidates=[7])[0].tolist() == [7]
   batch = batches.window_batch([seq], rng, 2, 16, batches.kept_index(ids, 12), 0.25)
   row = batch["tokens_bw"][0]
   assert row[:10].tolist() == list(range(10))

@@ -123,9 +123,10 @@ def window_batch(sequences: list[Sequence], rng: np.random.Generator, batch: int
 
 
 def choose_vocab(sequences: list[Sequence], keep: int, vocab_size: int, prompt_weight: float = 1.0,
-                 always=(0, 1, 2)) -> tuple[np.ndarray, float]:
+                 always=(0, 1, 2), candidates=None) -> tuple[np.ndarray, float]:
   """The `keep` ids with the largest total target probability mass over the data (plus the
-  special ids in `always`); returns (sorted ids, fraction of the top-k mass they cover).
+  special ids in `always`), drawn from `candidates` when given; returns (sorted ids, fraction
+  of the top-k mass they cover).
 
   Positions that predict a prompt token count `prompt_weight` times, as in the loss: the draft
   proposes after the prompt, and a CNN/DM article's vocabulary is not its summary's.
@@ -135,6 +136,8 @@ def choose_vocab(sequences: list[Sequence], keep: int, vocab_size: int, prompt_w
     probs = np.exp(s.topk_logp.astype(np.float64)) * position_weights(s, prompt_weight)[:, None]
     np.add.at(mass, s.topk_ids.astype(np.int64).ravel(), probs.ravel())
   ranked = np.argsort(-mass)
+  if candidates is not None:
+    ranked = ranked[np.isin(ranked, candidates)]
   chosen = set(int(i) for i in always if i < vocab_size)
   for i in ranked:
     if len(chosen) >= keep:

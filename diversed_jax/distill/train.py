@@ -5,6 +5,9 @@ shards in use (the data position: windows of step s are a pure function of (seed
 A checkpoint is written every `checkpoint_every` steps; a run killed at any point (even
 kill -9) resumes from the latest complete one. The held-out evaluation keeps the best draft
 as an asset folder in `<workdir>/best` (see artifacts.py); `mode=export` copies it out.
+`mode=shrink_vocab` writes a trained draft (`train.init_from`) with a smaller kept vocabulary
+and no training: the `draft.vocab_keep` of its ids with the most target mass on the training
+shards, a cheaper output head for nearly the same acceptance.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import orbax.checkpoint as ocp
 
 from diversed_jax.distill import architectures, artifacts, batches, data, losses
 
-MODES = ("data", "train", "export")
+MODES = ("data", "train", "export", "shrink_vocab")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -48,6 +51,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
       ("train.checkpoint_every", config.train.checkpoint_every >= 1),
       ("train.grow_layers", config.train.grow_layers >= 0),
       ("train.grow_layers", config.train.grow_layers == 0 or bool(config.train.init_from)),
+      ("train.init_from", config.mode != "shrink_vocab" or bool(config.train.init_from),
+       "shrink_vocab needs the draft folder to shrink"),
+      ("export_dir", config.mode not in ("export", "shrink_vocab") or bool(config.export_dir),
+       "give the folder to write the draft to"),
   ]
   for field, ok, *why in checks:
     if not ok:
@@ -106,6 +113,33 @@ def _train_step(train_params, opt_state, frozen, batch, *, draft, hp, tx):
       train_params, frozen, batch, draft=draft, hp=hp)
   updates, opt_state = tx.update(grads, opt_state, train_params)
   return optax.apply_updates(train_params, updates), opt_state, metrics
+
+
+def held_out_batches(config, kept_index) -> dict:
+  """Fixed held-out windows per held-out shard index (source from the shard pattern)."""
+  out = {}
+  pattern = tuple(config.data.pattern)
+  for index in config.train.eval_shards:
+    path = data.shard_path(config.data.dir, index)
+    if not os.path.exists(path):
+      continue
+    seqs = batches.load_sequences(path)
+    rng = np.random.default_rng([12345, index])
+    name = f"{pattern[index % len(pattern)]}{index}"
+    out[name] = batches.window_batch(seqs, rng, 16, config.train.window, kept_index,
+                                     config.train.prompt_weight)
+  return out
+
+
+def evaluate(config, draft, train_params, frozen, kept_index, hp) -> dict:
+  """Held-out metrics per held-out shard and their 'score' (mean one-step acceptance)."""
+  results = {}
+  for name, batch in held_out_batches(config, kept_index).items():
+    _, metrics = _metrics_and_loss(train_params, frozen, batch, draft=draft, hp=hp)
+    results[name] = {k: round(float(v), 4) for k, v in metrics.items()}
+  if results:
+    results["score"] = float(np.mean([r["accept1"] for r in results.values()]))
+  return results
 
 
 def _draft_from_config(config, target_config) -> architectures.DistilledDraft:
@@ -210,31 +244,10 @@ class Trainer:
     return batches.window_batch(self.pool.sequences, rng, tc.batch, tc.window,
                                 self.kept_index, tc.prompt_weight)
 
-  def eval_batches(self) -> dict:
-    """Fixed held-out windows per held-out shard index (source from the shard pattern)."""
-    out = {}
-    pattern = tuple(self.config.data.pattern)
-    for index in self.config.train.eval_shards:
-      path = data.shard_path(self.config.data.dir, index)
-      if not os.path.exists(path):
-        continue
-      seqs = batches.load_sequences(path)
-      rng = np.random.default_rng([12345, index])
-      name = f"{pattern[index % len(pattern)]}{index}"
-      out[name] = batches.window_batch(seqs, rng, 16, self.config.train.window, self.kept_index,
-                                       self.config.train.prompt_weight)
-    return out
-
   # ---- loop --------------------------------------------------------------------------
   def evaluate(self) -> dict:
-    results = {}
-    for name, batch in self.eval_batches().items():
-      _, metrics = _metrics_and_loss(self.state["params"], self.frozen, batch, draft=self.draft,
-                                     hp=self.hp)
-      results[name] = {k: round(float(v), 4) for k, v in metrics.items()}
-    if results:
-      results["score"] = float(np.mean([r["accept1"] for r in results.values()]))
-    return results
+    return evaluate(self.config, self.draft, self.state["params"], self.frozen, self.kept_index,
+                    self.hp)
 
   def train(self, num_steps: int | None = None) -> list[float]:
     """Runs until train.steps (or num_steps more steps); returns the per-step losses."""
@@ -294,6 +307,41 @@ class Trainer:
     self.log(f"exported draft (step {self.step}) to {folder}")
 
 
+def shrink_vocab(config: ml_collections.ConfigDict, target, log=print) -> dict:
+  """mode=shrink_vocab: writes `train.init_from` with its `draft.vocab_keep` ids of most target
+  mass on the training shards to `export_dir`; returns the held-out metrics there."""
+  tc = config.train
+  draft, train_params, ids, meta = artifacts.read_draft(tc.init_from)
+  keep = config.draft.vocab_keep
+  if keep > len(ids):
+    raise ValueError(f"config.draft.vocab_keep={keep} is invalid: {tc.init_from} keeps "
+                     f"{len(ids)} ids, and shrinking cannot add any")
+  pool = batches.ShardPool(config.data.dir, tuple(tc.eval_shards),
+                           tuple(config.data.extra_train_dirs))
+  pool.use(pool.available())
+  if not pool.sequences:
+    raise ValueError(f"config.data.dir={config.data.dir!r} holds no training shards")
+  # Only the draft's own ids: it was trained to spread its mass over their rows.
+  kept, coverage = batches.choose_vocab(pool.sequences, keep, target.config.vocab_size,
+                                        tc.prompt_weight, candidates=ids)
+  log(f"{len(kept)} of {len(ids)} ids cover {coverage:.4f} of the target's top-k mass on "
+      f"{pool.num_shards} training shards")
+  kept_index = batches.kept_index(kept, target.config.vocab_size)
+  frozen = architectures.frozen_params(target.params, kept)
+  hp = (tc.loss, float(tc.feature_weight), int(tc.unroll))
+  results = evaluate(config, draft, train_params, frozen, kept_index, hp)
+  log(f"held-out: {json.dumps(results)}")
+  recipe = {"mode": "shrink_vocab", "init_from": tc.init_from, "vocab_keep": keep,
+            "prompt_weight": tc.prompt_weight, "data_dirs": [config.data.dir,
+                                                             *config.data.extra_train_dirs],
+            "parent_recipe": meta.get("recipe")}
+  artifacts.save_draft(config.export_dir, draft, train_params, kept, target.name,
+                       extra={"eval": {"step": meta.get("step"), **results},
+                              "step": meta.get("step"), "recipe": recipe})
+  log(f"wrote the shrunk draft to {config.export_dir}")
+  return results
+
+
 def run(config: ml_collections.ConfigDict) -> None:
   """Entry point of `python -m diversed_jax.distill` (see configs/distill_smollm2.py)."""
   from diversed_jax.models.loading import load_model
@@ -306,10 +354,11 @@ def run(config: ml_collections.ConfigDict) -> None:
     return
   if config.mode == "export":
     src = os.path.join(config.workdir, "best")
-    if not config.export_dir:
-      raise ValueError("config.export_dir='' : give the folder to export the best draft to")
     shutil.copytree(src, config.export_dir, dirs_exist_ok=True)
     log(f"copied {src} to {config.export_dir}")
+    return
+  if config.mode == "shrink_vocab":
+    shrink_vocab(config, load_model(config.target), log=log)
     return
   trainer = Trainer(config, load_model(config.target), log=log)
   trainer.train()
