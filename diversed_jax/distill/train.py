@@ -100,6 +100,17 @@ def _metrics_and_loss(train_params, frozen, batch, *, draft, hp):
   return loss, metrics
 
 
+def _training_pool(config) -> batches.ShardPool:
+  """The training shards of `data.dir` (and `data.extra_train_dirs`), held-out ones excluded."""
+  return batches.ShardPool(config.data.dir, tuple(config.train.eval_shards),
+                           tuple(config.data.extra_train_dirs))
+
+
+def _hyperparams(tc) -> tuple:
+  """The static `hp` of `_metrics_and_loss`: (loss name, feature weight, unroll)."""
+  return (tc.loss, float(tc.feature_weight), int(tc.unroll))
+
+
 def _optimizer(tc) -> optax.GradientTransformation:
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, tc.lr, tc.warmup, max(tc.decay_steps, tc.warmup + 1), end_value=0.1 * tc.lr)
@@ -160,10 +171,9 @@ class Trainer:
     tc = config.train
     self.workdir = os.path.abspath(config.workdir)
     os.makedirs(self.workdir, exist_ok=True)
-    self.pool = batches.ShardPool(config.data.dir, tuple(tc.eval_shards),
-                                  tuple(config.data.extra_train_dirs))
+    self.pool = _training_pool(config)
     self.tx = _optimizer(tc)
-    self.hp = (tc.loss, float(tc.feature_weight), int(tc.unroll))
+    self.hp = _hyperparams(tc)
     self.manager = ocp.CheckpointManager(
         os.path.join(self.workdir, "checkpoints"),
         options=ocp.CheckpointManagerOptions(max_to_keep=tc.keep_checkpoints, create=True))
@@ -316,8 +326,7 @@ def shrink_vocab(config: ml_collections.ConfigDict, target, log=print) -> dict:
   if keep > len(ids):
     raise ValueError(f"config.draft.vocab_keep={keep} is invalid: {tc.init_from} keeps "
                      f"{len(ids)} ids, and shrinking cannot add any")
-  pool = batches.ShardPool(config.data.dir, tuple(tc.eval_shards),
-                           tuple(config.data.extra_train_dirs))
+  pool = _training_pool(config)
   pool.use(pool.available())
   if not pool.sequences:
     raise ValueError(f"config.data.dir={config.data.dir!r} holds no training shards")
@@ -328,10 +337,12 @@ def shrink_vocab(config: ml_collections.ConfigDict, target, log=print) -> dict:
       f"{pool.num_shards} training shards")
   kept_index = batches.kept_index(kept, target.config.vocab_size)
   frozen = architectures.frozen_params(target.params, kept)
-  hp = (tc.loss, float(tc.feature_weight), int(tc.unroll))
-  results = evaluate(config, draft, train_params, frozen, kept_index, hp)
+  results = evaluate(config, draft, train_params, frozen, kept_index, _hyperparams(tc))
   log(f"held-out: {json.dumps(results)}")
+  # "loss" names the loss of the recorded held-out `loss` column, which may differ from the
+  # parent's training loss.
   recipe = {"mode": "shrink_vocab", "init_from": tc.init_from, "vocab_keep": keep,
+            "loss": tc.loss,
             "prompt_weight": tc.prompt_weight, "data_dirs": [config.data.dir,
                                                              *config.data.extra_train_dirs],
             "parent_recipe": meta.get("recipe")}
