@@ -1,19 +1,31 @@
-"""The few-row product form of `models.products` against a plain contraction."""
+"""The few-row product forms of `models.products` against a plain contraction."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diversed_jax.models import products
+from diversed_jax.models import cpu_kernels, products
 
 
 def _primitives(fn, *args):
   return {eqn.primitive.name for eqn in jax.make_jaxpr(fn)(*args).eqns}
 
 
+@pytest.fixture(params=["kernel", "fused"])
+def few_row_form(request, monkeypatch):
+  """Runs a test with the kernel and, separately, with the fused fallback."""
+  if request.param == "kernel" and not cpu_kernels.available():
+    pytest.skip("the few-row kernel cannot be built here")
+  if request.param == "fused":
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+  jax.clear_caches()  # the form is chosen at trace time
+  yield request.param
+  jax.clear_caches()
+
+
 @pytest.mark.parametrize("lead", [(1,), (2,), (3,), (5,), (1, 5), (2, 4), (4, 4), (3, 7), (33,)])
-def test_matmul_oi_equals_the_contraction(lead):
+def test_matmul_oi_equals_the_contraction(lead, few_row_form):
   rng = np.random.default_rng(len(lead) * 10 + lead[-1])
   x = jnp.asarray(rng.standard_normal((*lead, 48)), jnp.float32)
   w_oi = jnp.asarray(rng.standard_normal((40, 48)), jnp.float32)
@@ -23,14 +35,27 @@ def test_matmul_oi_equals_the_contraction(lead):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,fused", [(1, False), (2, True), (5, True), (32, True),
-                                        (33, False), (40, False)])
-def test_few_rows_take_the_fused_form_on_cpu(rows, fused):
+@pytest.mark.parametrize("rows,few", [(1, False), (2, True), (5, True), (32, True),
+                                      (33, False), (40, False)])
+def test_few_rows_take_the_kernel_or_the_fused_form_on_cpu(rows, few, few_row_form):
   x = jnp.ones((rows, 8), jnp.float32)
   w_oi = jnp.ones((6, 8), jnp.float32)
   prims = _primitives(products.matmul_oi, x, w_oi)
-  assert ("dot_general" not in prims) == fused, prims
-  assert products.uses_fused_form(rows, jnp.float32) == fused
+  form = few_row_form if few else "dot"
+  assert products.product_form(rows, jnp.float32) == form
+  assert ("dot_general" in prims) == (form == "dot"), prims
+  assert ("custom_vjp_call" in prims) == (form == "kernel"), prims
+
+
+def test_forced_forms_apply_only_where_they_can(monkeypatch):
+  monkeypatch.setattr(products, "FORCE_FORM", "fused")
+  assert products.product_form(1, jnp.float32) == "dot"  # one row has no fused form
+  assert products.product_form(4, jnp.float32) == "fused"
+  monkeypatch.setattr(products, "FORCE_FORM", "dot")
+  assert products.product_form(4, jnp.float32) == "dot"
+  monkeypatch.setattr(products, "FORCE_FORM", "gemm")
+  with pytest.raises(ValueError, match="FORCE_FORM.*'gemm'"):
+    products.product_form(4, jnp.float32)
 
 
 def test_other_dtypes_keep_the_dot():
@@ -39,7 +64,7 @@ def test_other_dtypes_keep_the_dot():
   assert "dot_general" in _primitives(products.matmul_oi, x, w_oi)
 
 
-def test_fused_form_has_gradients():
+def test_few_row_forms_have_gradients(few_row_form):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
   w_oi = jnp.asarray(rng.standard_normal((6, 8)), jnp.float32)

@@ -2,15 +2,23 @@
 
 XLA:CPU runs a product over one row as a GEMV near memory bandwidth, but products over a
 few rows (the K+1 tokens one sequence verifies, a small batch's decoding step) go to GEMM
-kernels that take 2-3x the GEMV's time, though they read the same weights. Written as a
-broadcast multiply and a sum over `in`, the same contraction becomes one fused loop
-(XLA:CPU's YNNPACK fusion) that takes 0.7-0.85x the GEMM's time for 2 to 8 rows and
-~0.9x for 16 to 32 (measured on the embedded model's matrices; at 40 rows it is no
-faster). It is far slower for one row, so one row stays a dot. Rows are padded to a
-multiple of 4: the fused loop is slower at 5 or 6 rows than at 8.
-`benchmarks/product_speed.py` times both forms in the embedded model's forward.
+kernels that take 2-3x the GEMV's time, though they read the same weights. Three forms:
 
-Other backends (GPU, TPU), other dtypes and more rows keep the plain dot.
+- "kernel": `cpu_kernels.few_row_matmul`, a hand-written FFI kernel that streams each
+  weight row once for all rows on XLA's threads. Used on a single CPU device for
+  MIN_KERNEL_ROWS to MAX_KERNEL_ROWS float32 rows whenever it could be built
+  (`cpu_kernels.available()`); one row keeps XLA's GEMV, as fast, so plain decoding is
+  XLA's own; several devices keep XLA's forms, which its SPMD partitioner can split (it
+  would gather a custom call's operands). Each row's result is bitwise the same whatever
+  the number of rows.
+- "fused": the contraction written as a broadcast multiply and a sum over `in`, which
+  XLA:CPU turns into one fused loop (its YNNPACK fusion) that takes 0.7-0.85x the GEMM's
+  time for 2 to 8 rows and ~0.9x for 16 to 32; far slower for one row. The CPU fallback
+  for 2 to MAX_FUSED_ROWS rows where the kernel is unavailable; rows padded to a multiple
+  of 4 (the loop is slower at 5 or 6 rows than at 8).
+- "dot": everything else (other backends and dtypes, more rows).
+
+`benchmarks/product_speed.py` times the forms in the embedded model's forward.
 """
 
 from __future__ import annotations
@@ -20,27 +28,43 @@ import math
 import jax
 import jax.numpy as jnp
 
-# Row counts (all leading axes of x together) that use the fused form on CPU.
-# benchmarks/product_speed.py sets MAX_FUSED_ROWS = 0 for its A/B of whole models.
+from diversed_jax.models import cpu_kernels
+
+MIN_KERNEL_ROWS = 2
+MAX_KERNEL_ROWS = 32
 MIN_FUSED_ROWS = 2
 MAX_FUSED_ROWS = 32
 _ROW_MULTIPLE = 4
+FORMS = ("kernel", "fused", "dot")
+
+# Benchmarks set this to one of FORMS to compile a model with every product in that form
+# where the form applies (read at trace time; jax.clear_caches() after changing it).
+FORCE_FORM: str | None = None
 
 
-def uses_fused_form(num_rows: int, dtype) -> bool:
-  """Whether `matmul_oi` takes the fused multiply-and-sum form (decided at trace time)."""
-  return (MIN_FUSED_ROWS <= num_rows <= MAX_FUSED_ROWS
-          and jnp.dtype(dtype) == jnp.float32
-          and jax.default_backend() == "cpu")
+def product_form(num_rows: int, dtype) -> str:
+  """The form `matmul_oi` takes for `num_rows` rows of `dtype` (decided at trace time)."""
+  on_cpu_f32 = jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
+  kernel = (on_cpu_f32 and MIN_KERNEL_ROWS <= num_rows <= MAX_KERNEL_ROWS
+            and jax.device_count() == 1 and cpu_kernels.available())
+  fused = on_cpu_f32 and MIN_FUSED_ROWS <= num_rows <= MAX_FUSED_ROWS
+  if FORCE_FORM is not None:
+    if FORCE_FORM not in FORMS:
+      raise ValueError(f"products.FORCE_FORM must be one of {FORMS}, got {FORCE_FORM!r}")
+    return FORCE_FORM if {"kernel": kernel, "fused": fused, "dot": True}[FORCE_FORM] else "dot"
+  return "kernel" if kernel else "fused" if fused else "dot"
 
 
 def matmul_oi(x: jax.Array, w_oi: jax.Array, preferred_element_type=None) -> jax.Array:
   """x [..., in] times w_oi [out, in] contracted on `in`: [..., out]."""
   lead = x.shape[:-1]
   rows = math.prod(lead)
-  if not uses_fused_form(rows, jnp.result_type(x, w_oi)):
+  form = product_form(rows, jnp.result_type(x, w_oi))
+  if form == "dot":
     return jnp.einsum("...i,oi->...o", x, w_oi, preferred_element_type=preferred_element_type)
   x_mi = x.reshape(rows, x.shape[-1])
+  if form == "kernel":
+    return cpu_kernels.few_row_matmul(x_mi, w_oi).reshape(*lead, w_oi.shape[0])
   padded = -(-rows // _ROW_MULTIPLE) * _ROW_MULTIPLE
   x_mi = jnp.pad(x_mi, ((0, padded - rows), (0, 0)))
   # [out, rows, in] summed over `in`: each weight row is read once for all rows.

@@ -1,0 +1,74 @@
+"""The hand-written few-row kernel (`models.cpu_kernels`) against float64 contractions."""
+
+import platform
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diversed_jax.models import cpu_kernels
+
+_CAN_BUILD = platform.machine().lower() in ("x86_64", "amd64") and shutil.which("g++")
+
+
+def test_builds_where_a_compiler_and_x86_64_exist():
+  # Where it can be built it must be: a silent fallback would hide a broken kernel.
+  if not _CAN_BUILD:
+    pytest.skip("no g++ or not x86_64: the fallback is the intended path")
+  assert cpu_kernels.available()
+
+
+needs_kernel = pytest.mark.skipif(not (_CAN_BUILD and cpu_kernels.available()),
+                                  reason="the few-row kernel cannot be built here")
+
+
+def _random(rng, *shape):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+# Shapes cover every row group (1-8 rows, then groups of 8 and a remainder), `in` with and
+# without a tail past a multiple of 8, `out` with partial tiles and partial thread blocks.
+@needs_kernel
+@pytest.mark.parametrize("rows,size_in,size_out", [
+    (1, 576, 960), (2, 64, 13), (3, 40, 7), (4, 576, 3072), (5, 1536, 576), (6, 24, 30),
+    (7, 8, 9), (8, 100, 50), (13, 37, 19), (32, 576, 960), (3, 5, 3)])
+def test_kernel_equals_the_float64_contraction(rows, size_in, size_out):
+  rng = np.random.default_rng(rows * 1000 + size_in)
+  x, w_oi = _random(rng, rows, size_in), _random(rng, size_out, size_in)
+  got = jax.jit(cpu_kernels.few_row_matmul)(x, w_oi)
+  want = np.asarray(x, np.float64) @ np.asarray(w_oi, np.float64).T
+  assert got.shape == (rows, size_out) and got.dtype == jnp.float32
+  # float32 accumulation over `in` terms of unit scale: error ~ sqrt(in) * 2^-24 * |terms|.
+  np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * size_in ** 0.5 * 4)
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_its_companions():
+  # What makes one row's logits the same whether 1 or K + 1 tokens are verified with it.
+  rng = np.random.default_rng(1)
+  x, w_oi = _random(rng, 11, 576), _random(rng, 1000, 576)
+  together = np.asarray(jax.jit(cpu_kernels.few_row_matmul)(x, w_oi))
+  for start, stop in [(0, 1), (3, 4), (2, 5), (0, 8), (5, 11)]:
+    alone = np.asarray(jax.jit(cpu_kernels.few_row_matmul)(x[start:stop], w_oi))
+    np.testing.assert_array_equal(alone, together[start:stop])
+
+
+@needs_kernel
+def test_kernel_gradients_and_vmap_match_the_plain_product():
+  rng = np.random.default_rng(2)
+  x, w_oi = _random(rng, 3, 16), _random(rng, 5, 16)
+  plain = lambda x, w: x @ w.T
+  loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+  for got, want in zip(jax.grad(loss(cpu_kernels.few_row_matmul), (0, 1))(x, w_oi),
+                       jax.grad(loss(plain), (0, 1))(x, w_oi)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  xs = _random(rng, 4, 3, 16)
+  np.testing.assert_allclose(jax.vmap(cpu_kernels.few_row_matmul, (0, None))(xs, w_oi),
+                             jnp.einsum("bmi,oi->bmo", xs, w_oi), rtol=1e-5, atol=1e-5)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+  monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+  assert not cpu_kernels.available()
