@@ -9,7 +9,7 @@
 //
 // Every y[m, o] is accumulated in the same order whatever the number of rows and however
 // the work is split: 8 lanes over i in steps of 8, a fixed lane reduction, then the tail.
-// So one row's result is bitwise the same alone or among others (a sequence's logits do not
+// So one row's result is bitwise the same alone or among others (a token's products do not
 // depend on how many tokens are verified with it).
 
 #include <immintrin.h>
@@ -100,9 +100,10 @@ void RowGroups(const float* x, const float* w, float* y, int64_t rows, int64_t i
   }
 }
 
-// All `rows` rows of x against output rows [o_begin, o_end). Up to 4 rows: one pass.
-// More: blocks of ~64 KB of weights, each multiplied by every group of up to 4 rows
-// before the next, so groups after the first read it from cache.
+// All `rows` rows of x against output rows [o_begin, o_end). Up to 4 rows: one pass (the
+// blocked loop below measured ~2x slower for 3-4 rows, a code-generation effect that was
+// not pinned down). More: blocks of ~64 KB of weights, each multiplied by every group of up
+// to 4 rows before the next, so groups after the first read it from cache.
 void Chunk(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out,
            int64_t o_begin, int64_t o_end) {
   if (rows <= 4) {
