@@ -28,8 +28,8 @@ def _random(rng, *shape):
   return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
-# Shapes cover every row group (1-8 rows, then groups of 8 and a remainder), `in` with and
-# without a tail past a multiple of 8, `out` with partial tiles and partial thread blocks.
+# Shapes cover every row group (1-4 rows in one pass; more in groups of 4 and a remainder),
+# `in` with and without a tail past a multiple of 8, `out` with partial tiles and chunks.
 @needs_kernel
 @pytest.mark.parametrize("rows,size_in,size_out", [
     (1, 576, 960), (2, 64, 13), (3, 40, 7), (4, 576, 3072), (5, 1536, 576), (6, 24, 30),
