@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers
 
-from diversed_jax.models import KVCache, config as config_lib, hf_layout, init, transformer
+from diversed_jax.models import (KVCache, config as config_lib, hf_layout, init, kv_cache,
+                                 transformer)
 
 VOCAB, BATCH, SEQ = 97, 2, 32
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -174,6 +175,21 @@ def test_cache_layouts_hold_the_same_data():
     np.testing.assert_array_equal(np.asarray(want.k[:, 1]), 7.0)
     np.testing.assert_array_equal(np.asarray(want.k[:, 0]), np.asarray(stacked.k[:, 0]))
     assert np.asarray(want.lengths_b).tolist() == [1, 4, 2]
+
+
+def test_cache_buckets_waste_at_most_a_quarter_octave():
+  """`bucket_length` gives the smallest bucket that fits (a CNN/DM prompt bucket of 512
+  plus 64 new tokens: 640 slots, not 1,024) and a multiple of the largest beyond it."""
+  buckets = np.asarray(kv_cache.CACHE_BUCKETS)
+  assert np.all(np.diff(buckets) > 0) and np.all(buckets % 128 == 0)
+  assert np.all(buckets[1:] <= 1.25 * buckets[:-1] + 128)
+  for needed in (1, 128, 129, 578, 1024, 1025, 5000, 32768):
+    got = kv_cache.bucket_length(needed)
+    assert got >= needed and got in buckets, needed
+    assert not np.any((buckets >= needed) & (buckets < got)), needed
+  assert kv_cache.bucket_length(512 + 64 + 2) == 640
+  assert kv_cache.bucket_length(40_000) == 2 * 32768
+  assert kv_cache.bucket_length(5, (4, 8)) == 8
 
 
 @pytest.mark.parametrize("name,fuse", [("llama3_rope", False), ("llama", True), ("qwen2", True),
