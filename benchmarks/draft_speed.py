@@ -49,6 +49,8 @@ _SKIP_B8 = flags.DEFINE_bool("skip_batch8", False, "skip the batch-8 comparison"
 _SPEED = flags.DEFINE_bool("speed", True, "run the greedy speed comparisons")
 _ACCEPT = flags.DEFINE_bool("accept", True, "measure the T=1 acceptance")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "interleaved timing repeats (best kept)")
+_PRECISION = flags.DEFINE_string("matmul_precision", "highest", "float32 product precision "
+                                 "off the CPU (SpeculativeDecoder's matmul_precision)")
 _COMPARE = flags.DEFINE_list("compare", [], "distilled draft folders to compare with --draft "
                              "on the same teacher-forced tokens (then exit)")
 
@@ -156,6 +158,8 @@ def greedy_speed(dec, prompts, batch: int, ks, repeats: int) -> list[dict]:
 
 def main(argv):
   del argv
+  import jax
+
   from diversed_jax.models.loading import load_model
   from diversed_jax.speculative import build
   from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
@@ -163,7 +167,8 @@ def main(argv):
   target = load_model(_TARGET.value)
   draft, draft_params, spec = build.load_draft(_DRAFT.value, target)
   tokenizer = load_tokenizer(_TARGET.value)
-  dec = SpeculativeDecoder(ModelHandle(target.config, target.params), draft, draft_params)
+  dec = SpeculativeDecoder(ModelHandle(target.config, target.params), draft, draft_params,
+                           matmul_precision=_PRECISION.value)
   n = _NUM.value
   gsm = _prompts(tokenizer, "gsm8k", n)
   cnn = _prompts(tokenizer, "cnndm", n)
@@ -180,7 +185,8 @@ def main(argv):
         print(json.dumps({"task": task, "draft": name, **row}), flush=True)
     return
   results = {"draft": spec, "target": target.name, "num_prompts": n,
-             "max_new_tokens": _NEW.value}
+             "max_new_tokens": _NEW.value, "backend": jax.default_backend(),
+             "matmul_precision": _PRECISION.value}
   results["cost"] = step_cost(dec, _ACCEPT_K.value, _REPEATS.value)
   print(json.dumps(results), flush=True)
   if _ACCEPT.value:

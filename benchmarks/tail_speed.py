@@ -4,7 +4,7 @@ r"""A/B of the batch's tail: shrinking to the unfinished rows vs keeping all row
 
 Q GSM8K-test prompts through B rows with continuous batching, greedy, on the embedded
 target and its default draft: once the queue is empty, rows finish one by one at
-different rounds. `SpeculativeDecoder(shrink_tail=True)` (the default) then continues with
+different rounds. `SpeculativeDecoder(shrink_tail=True)` then continues with
 the unfinished rows at B/2, B/4, ..., 1; `shrink_tail=False` runs all B rows to the end.
 With the autoregressive baseline rows finish together (same length, no early EOS), so
 its two figures bound the noise of the comparison.

@@ -71,6 +71,10 @@ def base() -> ml_collections.ConfigDict:
   # the slowest rows stop paying for finished ones). Each width compiles one more round
   # (~+10 s at batch 4 on CPU), so it pays for long calls (a large queue), not here.
   c.decode.shrink_tail = False
+  # Precision of float32 products on GPUs/TPUs (jax.default_matmul_precision): "highest"
+  # keeps exact methods exact (greedy SD == plain greedy); "default" (TF32 / bf16 passes)
+  # is faster there but breaks that. CPU: no effect.
+  c.decode.matmul_precision = "highest"
 
   c.methods = ml_collections.ConfigDict()
   c.methods.run = "ar,sd,lossy,static,diversed"  # comma list of methods.FAMILIES

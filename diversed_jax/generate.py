@@ -18,6 +18,7 @@ from absl import app, flags
 from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.models import loading
 from diversed_jax.speculative import build, metrics
+from diversed_jax.speculative.decoder import MATMUL_PRECISIONS
 from diversed_jax.speculative.types import CASCADE_RULES, METHODS, VerifyParams
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct",
@@ -39,6 +40,9 @@ _CASCADE_ALPHA = flags.DEFINE_float("cascade_alpha", 0.1, "SpecCascade lenience 
 _EPSILON = flags.DEFINE_float("epsilon", 0.1, "Mentored decoding TV budget.")
 _TASK = flags.DEFINE_string("task", None, "Task whose shipped head to use (diversed).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
+_PRECISION = flags.DEFINE_enum(
+    "matmul_precision", "highest", MATMUL_PRECISIONS,
+    "Precision of float32 products on GPU/TPU; 'highest' keeps exact methods exact.")
 
 
 def verify_params_from_flags() -> VerifyParams:
@@ -56,7 +60,8 @@ def main(argv):
   target = loading.load_model(_TARGET.value)
   tokenizer = tokenizer_lib.load_tokenizer(_TARGET.value)
   decoder, info = build.build_decoder(target, _DRAFT.value, _HEAD.value, _TASK.value,
-                                      need_draft=verify.method != "ar")
+                                      need_draft=verify.method != "ar",
+                                      matmul_precision=_PRECISION.value)
   prompt_ids = tokenizer_lib.encode_prompt(tokenizer, _PROMPT.value, chat=not _NO_CHAT.value)
   out = decoder.generate([prompt_ids], verify, num_draft=_NUM_DRAFT.value,
                          max_new_tokens=_MAX_NEW.value, seed=_SEED.value)

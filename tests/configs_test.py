@@ -65,6 +65,7 @@ BAD = [
     ("task.split", "dev"), ("task.fields.test_list", "tests"), ("model.target", "/no/model"),
     ("model.draft", "self:x"), ("head.path", "/no/head"), ("head.task", "squad"),
     ("eval.results_file", "a/b.jsonl"), ("train.lam", -1.0),
+    ("decode.matmul_precision", "fp32"),
 ]
 
 

@@ -298,6 +298,27 @@ def test_compiles_once_per_prompt_bucket(pair):
   assert len(second.token_ids) == 2
 
 
+@pytest.mark.parametrize("precision", ["highest", "default"])
+def test_matmul_precision_reaches_the_compiled_loop(pair, precision):
+  """The decoder's precision is in its compiled program's products (what keeps a GPU's
+  verification from rounding in TF32 while a one-token step does not): "highest" marks
+  every XLA product, "default" none."""
+  target, draft, draft_params = pair
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params, matmul_precision=precision)
+  dec.generate([[1, 2, 3]], VerifyParams(method="sd", temperature=0.0), num_draft=2,
+               max_new_tokens=4)
+  (program,) = dec._executables.values()
+  dots = [line for line in program.as_text().splitlines() if " dot(" in line]
+  assert dots, "no XLA product in the program: the check below would be empty"
+  marked = ["operand_precision={highest,highest}" in line for line in dots]
+  assert all(marked) if precision == "highest" else not any(marked)
+
+
+def test_unknown_matmul_precision_is_refused(pair):
+  with pytest.raises(ValueError, match="matmul_precision='fast'"):
+    decoder_lib.SpeculativeDecoder(pair[0], matmul_precision="fast")
+
+
 def _exact_two_token_law(target, draft, draft_params, prompt, law):
   """Exact joint law of the first two generated tokens; `law(p, q)` -> emitted law."""
   joint = np.zeros((VOCAB, VOCAB))

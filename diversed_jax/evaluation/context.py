@@ -78,7 +78,8 @@ class Models:
     base = self.decoders["default"]
     self.decoders["diversed"] = SpeculativeDecoder(base.target, base.draft, base.draft_params,
                                                    weight_fn, params,
-                                                   shrink_tail=base.shrink_tail)
+                                                   shrink_tail=base.shrink_tail,
+                                                   matmul_precision=base.matmul_precision)
     self.info["head"] = folder
 
 
@@ -105,16 +106,17 @@ def load_models(config, settings, workdir: str | None = None, target=None,
   head_task = config.head.task or config.task.name
   head_folder = resolve_head(config, workdir)
   decoders, info = {}, {"target": target.name}
+  options = dict(shrink_tail=config.decode.shrink_tail,
+                 matmul_precision=config.decode.matmul_precision)
   if drafts_needed - {"finetuned"} or not drafts_needed:
     decoder, built = build.build_decoder(
         target, config.model.draft or None, None, head_task,
-        need_draft=bool(drafts_needed - {"finetuned"}), shrink_tail=config.decode.shrink_tail)
+        need_draft=bool(drafts_needed - {"finetuned"}), **options)
     decoders["default"] = decoder
     info.update(built)
   if "finetuned" in drafts_needed:
     decoder, built = build.build_decoder(target, config.model.finetuned_draft, None,
-                                         head_task, need_draft=True,
-                                         shrink_tail=config.decode.shrink_tail)
+                                         head_task, need_draft=True, **options)
     decoders["finetuned"] = decoder
     info["finetuned_draft"] = built["draft"]
   if "default" not in decoders:

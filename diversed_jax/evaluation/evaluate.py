@@ -45,11 +45,16 @@ def setting_fingerprint(config, setting, models) -> str:
   head = models.info.get("head") if setting.family == "diversed" else None
   digests = (folder_digest(draft), folder_digest(head))
   task = config.task
+  # A lower precision changes results off the CPU; "highest" adds nothing, so that records
+  # written before the field existed still count.
+  precision = (() if config.decode.matmul_precision == "highest"
+               else (config.decode.matmul_precision,))
   return fingerprint(setting.name, dataclasses.asdict(setting.verify), draft, head, digests,
                      config.model.target, config.model.tokenizer, config.model.chat,
                      config.decode.num_draft, config.decode.max_new_tokens, config.seed,
                      task.name, task.source, task.split, task.num_shots,
-                     task.max_prompt_tokens, context_lib.field_overrides(task.fields))
+                     task.max_prompt_tokens, context_lib.field_overrides(task.fields),
+                     *precision)
 
 
 def row_figures(stats, prompt: int, num_tokens: int, speculative: bool,

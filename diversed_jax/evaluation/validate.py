@@ -11,6 +11,7 @@ import os
 
 from diversed_jax.evaluation import methods as methods_lib
 from diversed_jax.models import loading, registry
+from diversed_jax.speculative.decoder import MATMUL_PRECISIONS
 from diversed_jax.speculative.types import CASCADE_RULES
 
 MODES = ("eval", "train", "train_and_eval", "distill", "bench")
@@ -165,6 +166,9 @@ def validate(config) -> None:
   _check_number("decode.queue", d.queue, 0, integer=True)
   if 0 < d.queue < d.batch_size:
     _fail("decode.queue", d.queue, f"must be 0 or >= decode.batch_size ({d.batch_size})")
+  if d.matmul_precision not in MATMUL_PRECISIONS:
+    _fail("decode.matmul_precision", d.matmul_precision,
+          f"must be one of {list(MATMUL_PRECISIONS)}")
   _check_methods(config)
   name = config.eval.results_file
   if not name or os.path.basename(name) != name:

@@ -114,16 +114,17 @@ def load_head(head_spec: str | None, target_name: str, draft_spec: str, task: st
 
 def build_decoder(target: loading.LoadedModel, draft_spec: str | None = None,
                   head_spec: str | None = None, task: str | None = None,
-                  need_draft: bool = True,
-                  shrink_tail: bool = False) -> tuple[SpeculativeDecoder, dict]:
-  """A decoder for `target` and a dict describing what was resolved (`shrink_tail`: see
-  `SpeculativeDecoder`)."""
+                  need_draft: bool = True, shrink_tail: bool = False,
+                  matmul_precision: str = "highest") -> tuple[SpeculativeDecoder, dict]:
+  """A decoder for `target` and a dict describing what was resolved (`shrink_tail`,
+  `matmul_precision`: see `SpeculativeDecoder`)."""
   info = {"target": target.name}
   handle = ModelHandle(target.config, target.params)
+  options = dict(shrink_tail=shrink_tail, matmul_precision=matmul_precision)
   if not need_draft:
-    return SpeculativeDecoder(handle, shrink_tail=shrink_tail), info
+    return SpeculativeDecoder(handle, **options), info
   draft, draft_params, resolved = load_draft(draft_spec, target)
   weight_fn, head_params, head_desc = load_head(head_spec, target.name, resolved, task)
   info.update(draft=resolved, head=head_desc)
   return SpeculativeDecoder(handle, draft, draft_params, weight_fn, head_params,
-                            shrink_tail=shrink_tail), info
+                            **options), info

@@ -117,9 +117,11 @@ def sample_calls(decoder, batch: int, num_draft: int, cache_len: int, repeats: i
     call[2] = cache
     return (time.perf_counter() - start) / steps_per_call
 
-  for call in calls:  # compile (once) and warm up
-    run(call)
-  return np.array([[run(call) for call in calls] for _ in range(repeats)])
+  # The decoder's precision is part of the programs' cache key: traced as the loop is.
+  with jax.default_matmul_precision(decoder.matmul_precision):
+    for call in calls:  # compile (once) and warm up
+      run(call)
+    return np.array([[run(call) for call in calls] for _ in range(repeats)])
 
 
 def measure(decoder, batch: int, num_draft: int, cache_len: int, repeats: int = 7,
