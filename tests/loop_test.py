@@ -312,6 +312,10 @@ def test_matmul_precision_reaches_the_compiled_loop(pair, precision):
   assert dots, "no XLA product in the program: the check below would be empty"
   marked = ["operand_precision={highest,highest}" in line for line in dots]
   assert all(marked) if precision == "highest" else not any(marked)
+  dec.matmul_precision = "default" if precision == "highest" else "highest"
+  dec.generate([[1, 2, 3]], VerifyParams(method="sd", temperature=0.0), num_draft=2,
+               max_new_tokens=4)
+  assert len(dec._executables) == 2, "a changed precision reused the old program"
 
 
 def test_unknown_matmul_precision_is_refused(pair):

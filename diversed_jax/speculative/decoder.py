@@ -170,7 +170,8 @@ class SpeculativeDecoder:
                   cache_len=cache_len, batch_size=batch_size, prefill_chunk=self.prefill_chunk,
                   tail_widths=tail_widths)
     compile_seconds = 0.0
-    signature = (spec, tokens.shape, cache_len, batch_size, tail_widths)
+    signature = (spec, tokens.shape, cache_len, batch_size, tail_widths,
+                 self.matmul_precision)
     if signature not in self._executables:
       start = time.perf_counter()
       with jax.default_matmul_precision(self.matmul_precision):
