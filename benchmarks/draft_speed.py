@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from diversed_jax.speculative.decoder import MATMUL_PRECISIONS  # noqa: E402
+
 _DRAFT = flags.DEFINE_string("draft", None, "draft spec (default: the target's default)")
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct", "target model")
 _NUM = flags.DEFINE_integer("num_prompts", 8, "prompts per task")
@@ -49,8 +51,9 @@ _SKIP_B8 = flags.DEFINE_bool("skip_batch8", False, "skip the batch-8 comparison"
 _SPEED = flags.DEFINE_bool("speed", True, "run the greedy speed comparisons")
 _ACCEPT = flags.DEFINE_bool("accept", True, "measure the T=1 acceptance")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "interleaved timing repeats (best kept)")
-_PRECISION = flags.DEFINE_string("matmul_precision", "highest", "float32 product precision "
-                                 "off the CPU (SpeculativeDecoder's matmul_precision)")
+_PRECISION = flags.DEFINE_enum("matmul_precision", "highest", MATMUL_PRECISIONS,
+                               "float32 product precision off the CPU "
+                               "(SpeculativeDecoder's matmul_precision)")
 _COMPARE = flags.DEFINE_list("compare", [], "distilled draft folders to compare with --draft "
                              "on the same teacher-forced tokens (then exit)")
 
