@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from diversed_jax.speculative import context_copy  # noqa: E402
 from diversed_jax.speculative.decoder import MATMUL_PRECISIONS  # noqa: E402
 
 _DRAFT = flags.DEFINE_string("draft", None, "draft spec (default: the target's default)")
@@ -109,7 +110,8 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
   hidden_fn = jax.jit(lambda t: transformer.forward_hidden(target.params, target.config, t)[0])
   probs_fn = jax.jit(lambda h: jax.nn.softmax(
       transformer.logits_from_hidden(target.params, target.config, h), axis=-1))
-  forwards = {name: jax.jit(functools.partial(d.train_forward, unroll=steps))
+  forwards = {name: jax.jit(functools.partial(getattr(d, "inner", d).train_forward,
+                                                unroll=steps))
               for name, (d, _) in drafts.items()}
   sums = {name: np.zeros(steps) for name in drafts}
   positions = 0
@@ -123,11 +125,19 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
     span = slice(len(prompt) - 1, len(seq) - 1)
     p = probs_fn(hidden[:, span])[0]
     features = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # f_{t-1} at t
-    for name, (_, params) in drafts.items():
+    for name, (draft, params) in drafts.items():
       logits, _ = forwards[name](params, jnp.asarray(tokens), features)  # kept vocabulary
+      ids = params["frozen"]["vocab_ids"]
+      if isinstance(draft, context_copy.ContextCopyDraft):  # the blend needs every id
+        full = jnp.full((*logits.shape[:2], span.stop - span.start, p.shape[-1]), -1e30)
+        logits = full.at[..., ids].set(logits[:, :, span])
+        at_bt = jnp.arange(span.start, span.stop)[None]
+        q = jax.nn.softmax(jnp.stack([context_copy.copy_logits(
+            draft.gate, step, jnp.asarray(tokens), at_bt) for step in logits]), axis=-1)
+        sums[name] += np.asarray(jnp.sum(jnp.minimum(p[None], q[:, 0]), axis=(-1, -2)))
+        continue
       q = jax.nn.softmax(logits[:, 0, span], axis=-1)
-      p_kept = p[:, params["frozen"]["vocab_ids"]]
-      sums[name] += np.asarray(jnp.sum(jnp.minimum(p_kept[None], q), axis=(-1, -2)))
+      sums[name] += np.asarray(jnp.sum(jnp.minimum(p[:, ids][None], q), axis=(-1, -2)))
     positions += len(cont)
   return {name: {"accept": float(s.mean() / positions),
                  "accept_by_step": [round(float(v / positions), 4) for v in s],
@@ -181,7 +191,7 @@ def main(argv):
     drafts.update({folder: build.load_draft(folder, target)[:2] for folder in _COMPARE.value
                    if os.path.realpath(folder) != same})
     for name, (draft_obj, _) in drafts.items():
-      if not hasattr(draft_obj, "train_forward"):
+      if not hasattr(getattr(draft_obj, "inner", draft_obj), "train_forward"):
         raise app.UsageError(f"--compare needs distilled draft folders; {name} is not one")
     for task, prompts in (("gsm8k", gsm), ("cnndm", cnn)):
       for name, row in paired_acceptance(target, drafts, prompts).items():

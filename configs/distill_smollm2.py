@@ -7,6 +7,9 @@
       --config.train.loss=tvd --config.train.lr=3e-4   # fine-tune (how the shipped one was)
   python -m diversed_jax.distill --config=configs/distill_smollm2.py --config.mode=shrink_vocab \
       --config.train.init_from=FOLDER --config.draft.vocab_keep=8192 --config.export_dir=OUT
+  python -m diversed_jax.distill --config=configs/distill_smollm2.py --config.mode=fit_copy_gate \
+      --config.train.init_from=FOLDER --config.export_dir=OUT --config.data.seed=10 \
+      --config.data.continuations_dir=distill/smollm2_target_s10  # context copying
 """
 
 import ml_collections
@@ -15,7 +18,8 @@ import ml_collections
 def get_config():
   c = ml_collections.ConfigDict()
   c.mode = "train"  # data (write target shards), train, export (best -> asset folder),
-  # or shrink_vocab (train.init_from with draft.vocab_keep of its ids -> export_dir)
+  # shrink_vocab (train.init_from with draft.vocab_keep of its ids -> export_dir)
+  # or fit_copy_gate (train.init_from with a fitted context-copy gate -> export_dir)
   c.target = "smollm2-135m-instruct"  # registry name, folder or GGUF of the target
   c.workdir = "runs/distill_smollm2"  # checkpoints, logs; git-ignored
   c.export_dir = ""  # for mode=export and shrink_vocab: the asset folder to write
@@ -82,4 +86,16 @@ def get_config():
   # shards instead of keeping the folder's; the head rows are the target's frozen embedding,
   # so nothing trained depends on which ids are kept.
   c.train.reselect_vocab = False
+
+  # mode=fit_copy_gate (diversed_jax/distill/copy_gate.py): fitted on the kept ids of the
+  # data plan given by `data` (for the shipped draft: data.seed=10,
+  # data.continuations_dir=distill/smollm2_target_s10).
+  c.copy = ml_collections.ConfigDict()
+  c.copy.max_ngram = 4  # longest context suffix looked up
+  c.copy.q_edges = (0.02, 0.1, 0.3)  # bins of the draft's own probability of the copy token
+  c.copy.lam_step = 0.05  # grid of the blend weight lam: 0, lam_step, ..., max_lam
+  c.copy.max_lam = 0.95
+  # T = 1 shards of the seed-10 plan (T alternates every 4 shards); 0 and 1 are the
+  # distillation's held-out shards, so they are left out here too.
+  c.copy.shards = (2, 3, 8, 9, 10, 11, 16, 17, 18, 19)
   return c

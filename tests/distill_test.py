@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diversed_jax.distill import architectures, artifacts, batches, continuations, data, train
+from diversed_jax.distill import (architectures, artifacts, batches, continuations, copy_gate,
+                                  data, train)
 from diversed_jax.models import ModelConfig, init_params, transformer
 from diversed_jax.models.loading import LoadedModel
 from diversed_jax.speculative import decoder as decoder_lib
-from diversed_jax.speculative import loop, step_costs
+from diversed_jax.speculative import context_copy, loop, step_costs
 from diversed_jax.speculative.types import VerifyParams
 
 VOCAB = 64
@@ -60,9 +61,16 @@ def _greedy_reference(target, prompt, steps):
 PROMPTS = [[1, 2, 3, 4, 5], [7, 3], [2, 9, 9, 1, 4, 4, 8, 10, 3], [5, 6, 7]]
 
 
-@pytest.mark.parametrize("kind", architectures.KINDS)
-def test_draft_kinds_run_in_the_speculative_loop(target, kind):
+# A gate that copies eagerly, so the copy token often wins the draft's argmax.
+EAGER_GATE = context_copy.CopyGate((0.1,), ((0.0, 0.0), (0.6, 0.5), (0.9, 0.8)))
+
+
+@pytest.mark.parametrize("kind,copy", [(kind, False) for kind in architectures.KINDS]
+                         + [("feature", True)])
+def test_draft_kinds_run_in_the_speculative_loop(target, kind, copy):
   draft, params = _draft(kind, target)
+  if copy:  # the copying wrapper's cache goes through roll-back, refill and the tail too
+    draft = context_copy.ContextCopyDraft(draft, EAGER_GATE)
   dec = decoder_lib.SpeculativeDecoder(decoder_lib.ModelHandle(target.config, target.params),
                                        draft, params)
   expected = [_greedy_reference(target, p, 10) for p in PROMPTS]
@@ -434,6 +442,78 @@ def test_ids_only_then_shards_and_backfill(target, tmp_path, monkeypatch):
                                 np.load(data.shard_path(plain.dir, 1))["tokens"])
 
 
+def test_copying_draft_feeds_its_history_like_the_loop(target):
+  """Prefill chunks, a roll-back and single proposals: the history holds every token at its
+  position, and the logits are the inner draft's blended with the lookup on it."""
+  inner, params = _draft("feature", target)
+  draft = context_copy.ContextCopyDraft(inner, EAGER_GATE)
+  prompt = jnp.asarray([[5, 6, 7, 5, 6, 9, 5, 6]])
+  features = jax.random.normal(jax.random.PRNGKey(3), (1, 8, target.config.hidden_size))
+  cache = draft.init_cache(params, 1, 16)
+  inner_cache = inner.init_cache(params, 1, 16)
+  _, _, cache = draft.forward(params, prompt[:, :6], cache, features[:, :6])
+  cache = cache.with_lengths(jnp.asarray([5]))  # roll back one token, as a round does
+  logits, _, cache = draft.forward(params, prompt[:, 5:8], cache, features[:, 5:8])
+  _, _, inner_cache = inner.forward(params, prompt[:, :5], inner_cache, features[:, :5])
+  inner_logits, _, _ = inner.forward(params, prompt[:, 5:8], inner_cache, features[:, 5:8])
+  np.testing.assert_array_equal(np.asarray(cache.history_bs[0, :8]), np.asarray(prompt[0]))
+  want = context_copy.copy_logits(EAGER_GATE, inner_logits, prompt, jnp.arange(5, 8)[None])
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
+  # "5 6" occurred twice before position 7, the latest followed by 9: the copy token.
+  assert int(jnp.argmax(logits[0, -1])) == 9
+  proposal, _, cache = draft.forward(params, jnp.asarray([[9]]), cache, None)
+  assert int(cache.history_bs[0, 8]) == 9 and int(cache.lengths_b[0]) == 9
+  assert int(jnp.argmax(proposal[0, 0])) == 5  # "6 9" -> 5, as after position 5
+
+
+def test_copy_gate_fit_picks_each_cells_best_weight():
+  lams = np.array([0.0, 0.5, 0.9])
+  # Task a: matched positions (n = 1, q(c) below the edge) gain most at lam 0.5; n = 2 at 0.9.
+  curves_a = np.array([[0.3, 0.5, 0.4], [0.3, 0.5, 0.2], [0.2, 0.3, 0.6], [0.7, 0.1, 0.1]])
+  length_a, q_copy_a = np.array([1, 1, 2, 0]), np.array([0.05, 0.01, 0.5, 0.0])
+  curves_b = np.array([[0.6, 0.5, 0.1]])  # n = 2, q(c) high: lam 0 is best here alone
+  gate, report = copy_gate.fit({"a": (curves_a, length_a, q_copy_a),
+                                "b": (curves_b, np.array([2]), np.array([0.4]))},
+                               lams, max_ngram=2, q_edges=(0.1,))
+  # Cell (2, high q) pools task a's 0.6 gain over 4 positions and task b's loss over 1.
+  assert gate.lambdas == ((0.0, 0.0), (0.5, 0.0), (0.0, 0.0))
+  assert report["a"]["accept_without"] == pytest.approx(np.mean([0.3, 0.3, 0.2, 0.7]))
+  assert report["a"]["accept_with"] == pytest.approx(np.mean([0.5, 0.5, 0.2, 0.7]))
+  assert report["a"]["matched"] == 0.75 and report["b"]["positions"] == 1
+  with pytest.raises(ValueError, match="start at 0"):
+    copy_gate.fit({"a": (curves_a, length_a, q_copy_a)}, lams[1:], 2, (0.1,))
+
+
+def test_fit_copy_gate_mode_writes_a_copying_draft_folder(target, tmp_path, monkeypatch,
+                                                          base_draft):
+  tok = _WordTokenizer()
+  c = _tiny_config()
+  c.data = _data_config(tmp_path, num_shards=2, continuations_only=True)
+  data.generate(c.data, target, c.data.dir, log=_quiet, tokenizer=tok)
+  monkeypatch.setattr(data, "target_continuations", _no_generation)
+  c.mode, c.train.init_from, c.export_dir = "fit_copy_gate", base_draft[1], str(tmp_path / "out")
+  c.copy.shards, c.copy.max_ngram = (0, 1), 3
+  train.validate(c)
+  report = copy_gate.run(c, target, log=_quiet, tokenizer=tok)
+  assert set(report) == {"gsm8k", "cnndm"}
+  for row in report.values():
+    assert row["accept_with"] >= row["accept_without"] - 1e-6  # lam = 0 is in every cell
+  draft, _ = artifacts.load_draft_folder(c.export_dir, target)
+  assert isinstance(draft, context_copy.ContextCopyDraft) and draft.gate.max_ngram == 3
+  plain, _ = artifacts.load_draft_folder(c.export_dir, target, copy=False)
+  assert isinstance(plain, architectures.DistilledDraft)
+  from diversed_jax.speculative import build  # the user-facing specs
+  assert isinstance(build.load_draft(c.export_dir, target)[0], context_copy.ContextCopyDraft)
+  no_copy, _, spec = build.load_draft("nocopy:" + c.export_dir, target)
+  assert isinstance(no_copy, architectures.DistilledDraft) and spec.startswith("nocopy:")
+  with pytest.raises(ValueError, match="needs a distilled draft folder"):
+    build.load_draft("nocopy:self:1", target)
+  assert not os.path.exists(os.path.join(base_draft[1], copy_gate.GATE_FILE))
+  c.copy.shards = ()
+  with pytest.raises(ValueError, match="config.copy.shards"):
+    train.validate(c)
+
+
 def test_kept_ids_need_target_continuations(tmp_path):
   c = _tiny_config()
   c.data.continuations_dir = str(tmp_path)
@@ -452,7 +532,9 @@ def test_shipped_draft_loads_as_the_default():
   model = load_model("smollm2-135m-instruct")
   draft, params, spec = build.load_draft(None, model)
   assert spec == artifacts.shipped_draft("smollm2-135m-instruct")
-  assert isinstance(draft, architectures.DistilledDraft)
+  # The shipped folder carries a context-copy gate: the draft comes wrapped with it.
+  assert isinstance(draft, context_copy.ContextCopyDraft)
+  assert isinstance(draft.inner, architectures.DistilledDraft)
   logits, _, _ = draft.forward(params, jnp.asarray([[1, 2, 3]]), draft.init_cache(params, 1, 8),
                                jnp.zeros((1, 3, model.config.hidden_size)))
   assert logits.shape == (1, 3, model.config.vocab_size)

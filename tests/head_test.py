@@ -98,6 +98,10 @@ def test_shipped_head_is_dropped_when_its_draft_folder_changes(tmp_path):
                     draft_spec=str(draft), draft_digest=folder_digest(draft), task="gsm8k")
   assert artifacts.shipped_heads(str(assets)) == {("t", str(draft), "gsm8k"):
                                                   str(assets / "h")}
+  (draft / "copy_gate.json").write_text("{}")  # a context-copy gate changes its law
+  assert artifacts.shipped_heads(str(assets)) == {}
+  (draft / "copy_gate.json").unlink()
+  assert len(artifacts.shipped_heads(str(assets))) == 1
   np.savez(draft / "params.npz", w=np.ones(3))  # the draft re-exported in place
   assert artifacts.shipped_heads(str(assets)) == {}
 

@@ -5,6 +5,8 @@ A draft folder holds
   draft_kind.txt   'distill_feature' or 'distill_independent' (the DRAFT_LOADERS key)
   draft.json       the DistilledDraft fields and the target it was distilled from
   params.npz       trainable leaves ('/'-joined paths, float16 storage) + 'vocab_ids'
+  copy_gate.json   optional: the context-copy gate blended into the draft's law
+                   (`copy_gate.py`, `diversed_jax.speculative.context_copy`)
 The frozen leaves (embedding, kept head rows) are rebuilt from the target when loading, so
 the folder stays small.
 """
@@ -76,15 +78,21 @@ def read_draft(folder: str):
   return draft, train, vocab_ids, meta
 
 
-def load_draft_folder(folder: str, target):
-  """DRAFT_LOADERS entry: (draft object, params) for a target LoadedModel."""
+def load_draft_folder(folder: str, target, copy: bool = True):
+  """DRAFT_LOADERS entry: (draft object, params) for a target LoadedModel. A folder with a
+  context-copy gate (`copy_gate.py`) gives the draft wrapped with it, unless `copy` is
+  False."""
+  from diversed_jax.distill import copy_gate
+  from diversed_jax.speculative.context_copy import ContextCopyDraft
   draft, train, vocab_ids, meta = read_draft(folder)
   if draft.vocab_size != target.config.vocab_size or \
       draft.target_hidden != target.config.hidden_size:
     raise ValueError(f"draft folder {folder!r} was distilled for {meta.get('target')!r} "
                      f"(vocabulary {draft.vocab_size}, width {draft.target_hidden}), not for "
                      f"{target.name!r}")
-  return draft, {"train": train, "frozen": frozen_params(target.params, vocab_ids)}
+  params = {"train": train, "frozen": frozen_params(target.params, vocab_ids)}
+  gate = copy_gate.read_gate(folder) if copy else None
+  return (draft if gate is None else ContextCopyDraft(draft, gate)), params
 
 
 def shipped_draft(target_name: str) -> str | None:

@@ -193,6 +193,37 @@ def continuations_folder(spec: str) -> str:
   return spec if os.path.isabs(spec) else os.path.join(DATA_DIR, spec)
 
 
+def data_plan(data_cfg):
+  """The shard plan of a data config: per shard, (source, [(prompt text, reference)])."""
+  sources = {"gsm8k": load_prompts("gsm8k", data_cfg.gsm8k_path, max_chars=10_000),
+             "cnndm": load_prompts("cnndm", data_cfg.cnndm_path, max_chars=data_cfg.max_chars)}
+  return shard_plan(sources, tuple(data_cfg.pattern), data_cfg.batch, data_cfg.seed)
+
+
+def shard_temperature(data_cfg, index: int) -> float:
+  """Generation temperature of shard `index`: data.temperatures alternate per pattern cycle."""
+  temps = tuple(data_cfg.temperatures)
+  return temps[(index // len(data_cfg.pattern)) % len(temps)]
+
+
+def kept_records(data_cfg, tokenizer, indices):
+  """Per shard index with kept ids (data.continuations_dir): (source, temperature, prompt
+  token lists, continuation token lists), read back without generating anything."""
+  from diversed_jax.tokenizer import encode_prompt
+  plan = data_plan(data_cfg)
+  folder = continuations_folder(data_cfg.continuations_dir)
+  records = []
+  for index in indices:
+    if index >= len(plan):
+      raise ValueError(f"shard {index} is past the data plan's {len(plan)} shards")
+    source, pairs = plan[index]
+    temperature = shard_temperature(data_cfg, index)
+    prompts = [encode_prompt(tokenizer, t, chat=True) for t, _ in pairs]
+    records.append((source, temperature, prompts,
+                    continuations.load(folder, index, prompts, temperature)))
+  return records
+
+
 def generate(data_cfg, target, out_dir: str, log=print, tokenizer=None) -> int:
   """Writes missing shards up to data_cfg.num_shards; returns the shard count on disk.
 
@@ -204,14 +235,11 @@ def generate(data_cfg, target, out_dir: str, log=print, tokenizer=None) -> int:
   """
   from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
   from diversed_jax.tokenizer import encode_prompt, load_tokenizer
-  sources = {"gsm8k": load_prompts("gsm8k", data_cfg.gsm8k_path, max_chars=10_000),
-             "cnndm": load_prompts("cnndm", data_cfg.cnndm_path, max_chars=data_cfg.max_chars)}
-  plan = shard_plan(sources, tuple(data_cfg.pattern), data_cfg.batch, data_cfg.seed)
+  plan = data_plan(data_cfg)
   tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer or target.name)
   decoder = SpeculativeDecoder(ModelHandle(target.config, target.params))
   keep = continuations_folder(data_cfg.continuations_dir) if data_cfg.continuations_dir else ""
   ids_only = bool(data_cfg.continuations_only)
-  temps = tuple(data_cfg.temperatures)
   eos = target.config.eos_token_ids
   for index, (source, pairs) in enumerate(plan[:data_cfg.num_shards]):
     have_shard = os.path.exists(shard_path(out_dir, index))
@@ -219,7 +247,7 @@ def generate(data_cfg, target, out_dir: str, log=print, tokenizer=None) -> int:
     if (have_shard or ids_only) and (have_ids or not keep):
       continue
     start = time.time()
-    temperature = temps[(index // len(data_cfg.pattern)) % len(temps)]
+    temperature = shard_temperature(data_cfg, index)
     if have_shard:  # ids of a shard written before they were kept: read them back
       with np.load(shard_path(out_dir, index)) as arrays:
         prompts, conts = continuations.from_shard(arrays)

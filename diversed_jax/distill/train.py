@@ -7,7 +7,8 @@ kill -9) resumes from the latest complete one. The held-out evaluation keeps the
 as an asset folder in `<workdir>/best` (see artifacts.py); `mode=export` copies it out.
 `mode=shrink_vocab` writes a trained draft (`train.init_from`) with a smaller kept vocabulary
 and no training: the `draft.vocab_keep` of its ids with the most target mass on the training
-shards, a cheaper output head for nearly the same acceptance.
+shards, a cheaper output head for nearly the same acceptance. `mode=fit_copy_gate` adds a
+context-copy gate to a trained draft (copy_gate.py).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from diversed_jax.distill import architectures, artifacts, batches, data, losses
+from diversed_jax.distill import architectures, artifacts, batches, copy_gate, data, losses
 
-MODES = ("data", "train", "export", "shrink_vocab")
+MODES = ("data", "train", "export", "shrink_vocab", "fit_copy_gate")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -35,8 +36,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   checks = [
       ("mode", config.mode in MODES),
       ("data.continuation", config.data.continuation in ("reference", "target")),
-      ("data.continuations_dir",
-       not config.data.continuations_dir or config.data.continuation == "target",
+      ("data.continuations_dir", config.mode == "fit_copy_gate"
+       or not config.data.continuations_dir or config.data.continuation == "target",
        "kept ids need data.continuation='target'"),
       ("data.continuations_only",
        not config.data.continuations_only or bool(config.data.continuations_dir),
@@ -51,10 +52,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
       ("train.checkpoint_every", config.train.checkpoint_every >= 1),
       ("train.grow_layers", config.train.grow_layers >= 0),
       ("train.grow_layers", config.train.grow_layers == 0 or bool(config.train.init_from)),
-      ("train.init_from", config.mode != "shrink_vocab" or bool(config.train.init_from),
-       "shrink_vocab needs the draft folder to shrink"),
-      ("export_dir", config.mode not in ("export", "shrink_vocab") or bool(config.export_dir),
-       "give the folder to write the draft to"),
+      ("train.init_from", config.mode not in ("shrink_vocab", "fit_copy_gate")
+       or bool(config.train.init_from), f"{config.mode} needs the draft folder to start from"),
+      ("export_dir", config.mode not in ("export", "shrink_vocab", "fit_copy_gate")
+       or bool(config.export_dir), "give the folder to write the draft to"),
+      ("data.continuations_dir", config.mode != "fit_copy_gate"
+       or bool(config.data.continuations_dir), "the gate is fitted on kept continuations"),
+      ("copy.max_ngram", config.copy.max_ngram >= 1),
+      ("copy.lam_step", 0 < config.copy.lam_step <= config.copy.max_lam < 1),
+      ("copy.max_lam", 0 < config.copy.max_lam < 1),
+      ("copy.q_edges", list(config.copy.q_edges) == sorted(config.copy.q_edges),
+       "bin edges must be increasing"),
+      ("copy.shards", config.mode != "fit_copy_gate" or len(config.copy.shards) > 0),
   ]
   for field, ok, *why in checks:
     if not ok:
@@ -370,6 +379,9 @@ def run(config: ml_collections.ConfigDict) -> None:
     return
   if config.mode == "shrink_vocab":
     shrink_vocab(config, load_model(config.target), log=log)
+    return
+  if config.mode == "fit_copy_gate":
+    copy_gate.run(config, load_model(config.target), log=log)
     return
   trainer = Trainer(config, load_model(config.target), log=log)
   trainer.train()

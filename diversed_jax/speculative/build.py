@@ -1,7 +1,8 @@
 """Assembles a SpeculativeDecoder from user-facing names: target, draft, head.
 
 Draft specs: 'self:L' (the target's first L layers), a model name/folder/GGUF sharing the
-target's vocabulary, a draft checkpoint folder written by `diversed_jax.distill`, or None
+target's vocabulary, a draft checkpoint folder written by `diversed_jax.distill` (with its
+context-copy gate when the folder has one; 'nocopy:FOLDER' leaves the gate out), or None
 for the target's default draft (the shipped distilled draft when there is one, else
 'self:4'). Head specs: a head checkpoint folder, or None for the shipped default head of
 the pair, else a fixed w = 0.5.
@@ -21,11 +22,13 @@ from diversed_jax.speculative import drafts
 from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
 
 FALLBACK_DRAFT = "self:4"
+NO_COPY = "nocopy:"  # prefix: a distilled draft folder without its context-copy gate
 FALLBACK_WEIGHT = 0.5
 
 # Hooks filled by the draft-distillation and head-training packages, so that this module
 # does not import them: name -> callable.
-#   DRAFT_LOADERS[kind](folder, target) -> (draft object, draft params)
+#   DRAFT_LOADERS[kind](folder, target, copy) -> (draft object, draft params); copy: with the
+#       folder's context-copy gate, if it has one
 #   DEFAULT_DRAFTS[target name] -> draft spec (a folder)
 #   DEFAULT_HEADS[(target name, draft spec, task)] -> head folder
 #   HEAD_LOADER(folder) -> (weight_fn, head params)
@@ -70,14 +73,17 @@ def load_draft(draft_spec: str | None, target: loading.LoadedModel, dtype=jnp.fl
   if num_layers is not None:
     draft, params = drafts.self_draft(target.config, target.params, num_layers)
     return draft, params, draft_spec
-  marker = os.path.join(draft_spec, "draft_kind.txt")
+  folder = draft_spec.removeprefix(NO_COPY)
+  marker = os.path.join(folder, "draft_kind.txt")
   if os.path.isfile(marker):
     kind = open(marker).read().strip()
     if kind not in DRAFT_LOADERS:
-      raise ValueError(f"draft folder {draft_spec!r} has kind {kind!r}; known kinds: "
+      raise ValueError(f"draft folder {folder!r} has kind {kind!r}; known kinds: "
                        f"{sorted(DRAFT_LOADERS)}")
-    draft, params = DRAFT_LOADERS[kind](draft_spec, target)
+    draft, params = DRAFT_LOADERS[kind](folder, target, copy=folder == draft_spec)
     return draft, params, draft_spec
+  if folder != draft_spec:
+    raise ValueError(f"draft {draft_spec!r}: {NO_COPY!r} needs a distilled draft folder")
   model = loading.load_model(draft_spec, dtype)
   if model.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"draft {draft_spec!r} has vocabulary size {model.config.vocab_size} "
