@@ -20,7 +20,8 @@ target's own T = 1 continuations of the test prompts, teacher forced, acceptance
 sum_x min(p, q) at every generated position for drafting steps 1-3 (steps 2-3 read the
 draft's own features, as in training's unroll). The loop's `accept` samples a different path
 for every draft, which moves it by a few hundredths between drafts of equal quality; this
-paired figure ranks drafts reliably.
+paired figure ranks drafts reliably. A folder with a context-copy gate is measured with it
+(the lookup reads the teacher-forced tokens); list 'nocopy:FOLDER' to leave it out.
 """
 
 from __future__ import annotations

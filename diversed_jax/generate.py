@@ -23,7 +23,8 @@ from diversed_jax.speculative.types import CASCADE_RULES, METHODS, VerifyParams
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct",
                               "Registry name, model folder, GGUF file or hub id.")
-_DRAFT = flags.DEFINE_string("draft", None, "Draft: 'self:L', a model, or a draft folder.")
+_DRAFT = flags.DEFINE_string("draft", None, "Draft: 'self:L', a model, or a draft folder "
+                             "('nocopy:FOLDER': without its context-copy gate).")
 _HEAD = flags.DEFINE_string("head", None, "Ensemble head folder for --method=diversed.")
 _PROMPT = flags.DEFINE_string("prompt", None, "The prompt (a user turn for chat models).")
 _NO_CHAT = flags.DEFINE_bool("raw", False, "Do not apply the chat template.")
