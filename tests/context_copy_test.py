@@ -1,5 +1,6 @@
 """Context copying: the suffix lookup against a plain-Python reference, the blended law,
-the gate's checks, and exactness of speculative decoding with a copying draft."""
+the gate's checks and the history following the cache's rows (the copying draft inside the
+speculative loop, and the gate's fitting, are in distill_test.py)."""
 
 import numpy as np
 import jax
@@ -66,3 +67,27 @@ def test_gate_weights_and_checks():
     context_copy.CopyGate((0.5,), ((0.0, 0.0), (1.0, 0.5)))
   with pytest.raises(ValueError, match="entries"):
     context_copy.CopyGate((0.5,), ((0.0, 0.0), (0.5,)))
+
+
+def test_copy_cache_rows_follow_the_inner_cache():
+  """Refill (set_row), the shrunk tail (take_rows) and roll-back move the history with the
+  wrapped cache's rows."""
+  from diversed_jax.models import ModelConfig, init_params
+  from diversed_jax.speculative.drafts import LMDraft
+  config = ModelConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=8,
+                       eos_token_ids=())
+  params = init_params(config, jax.random.PRNGKey(0))
+  draft = context_copy.ContextCopyDraft(LMDraft(config), context_copy.CopyGate(
+      (), ((0.0,), (0.5,))))
+  cache = draft.init_cache(params, 3, 6)
+  _, _, cache = draft.forward(params, jnp.asarray([[1, 2, 3]] * 3) + jnp.arange(3)[:, None],
+                              cache)
+  _, _, fresh = draft.forward(params, jnp.asarray([[9, 8]]), draft.init_cache(params, 1, 6))
+  cache = cache.set_row(1, fresh)
+  np.testing.assert_array_equal(np.asarray(cache.history_bs[:, :3]),
+                                [[1, 2, 3], [9, 8, 0], [3, 4, 5]])
+  assert np.asarray(cache.lengths_b).tolist() == [3, 2, 3]
+  tail = cache.take_rows(jnp.asarray([2, 1]))
+  np.testing.assert_array_equal(np.asarray(tail.history_bs[:, :2]), [[3, 4], [9, 8]])
+  assert np.asarray(tail.with_lengths(jnp.asarray([1, 1])).lengths_b).tolist() == [1, 1]
