@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from diversed_jax.distill import copy_gate
 from diversed_jax.distill.architectures import DistilledDraft, frozen_params
 from diversed_jax.models.config import ModelConfig
+from diversed_jax.speculative.context_copy import ContextCopyDraft
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafts")
 KIND_PREFIX = "distill_"
@@ -82,8 +84,6 @@ def load_draft_folder(folder: str, target, copy: bool = True):
   """DRAFT_LOADERS entry: (draft object, params) for a target LoadedModel. A folder with a
   context-copy gate (`copy_gate.py`) gives the draft wrapped with it, unless `copy` is
   False."""
-  from diversed_jax.distill import copy_gate
-  from diversed_jax.speculative.context_copy import ContextCopyDraft
   draft, train, vocab_ids, meta = read_draft(folder)
   if draft.vocab_size != target.config.vocab_size or \
       draft.target_hidden != target.config.hidden_size:

@@ -38,15 +38,13 @@ def suffix_lookup(history_bs, positions_bt, max_ngram: int):
   slots = jnp.arange(s)
   token_bt = jnp.zeros(positions_bt.shape, jnp.int32)
   length_bt = jnp.zeros(positions_bt.shape, jnp.int32)
-  match_bts = None
+  match_bts = slots < positions_bt[:, :, None]  # the continuation j + 1 is known
   for k in range(max_ngram):
     # The suffix's k-th token from the end, against history[j - k] for every candidate j.
     suffix_bt = jnp.take_along_axis(history_bs, jnp.maximum(positions_bt - k, 0), axis=1)
     shifted_bs = jnp.roll(history_bs, k, axis=1)
-    equal_bts = (shifted_bs[:, None, :] == suffix_bt[:, :, None]) & (slots >= k)
-    equal_bts &= (positions_bt >= k)[:, :, None]
-    match_bts = equal_bts if match_bts is None else match_bts & equal_bts
-    match_bts &= slots < positions_bt[:, :, None]  # the continuation j + 1 is known
+    match_bts &= (shifted_bs[:, None, :] == suffix_bt[:, :, None]) & (slots >= k)
+    match_bts &= (positions_bt >= k)[:, :, None]
     found_bt = jnp.any(match_bts, axis=-1)
     latest_bt = jnp.max(jnp.where(match_bts, slots, -1), axis=-1)
     next_bt = jnp.take_along_axis(history_bs, jnp.clip(latest_bt + 1, 0, s - 1), axis=1)
@@ -96,23 +94,33 @@ class CopyGate:
     return table[length_bt, bins]
 
 
-def blend(logits_btv, token_bt, lam_bt):
-  """log q' for q = softmax(logits): (1 - lam) q + lam at `token_bt` (exact where lam = 0)."""
-  log_q = jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
-  log_q_copy = jnp.take_along_axis(log_q, token_bt[..., None], axis=-1)[..., 0]
-  at_copy = jnp.log((1 - lam_bt) * jnp.exp(log_q_copy) + lam_bt)
-  mixed = jnp.log1p(-lam_bt)[..., None] + log_q
-  is_copy = jnp.arange(log_q.shape[-1]) == token_bt[..., None]
+def _log_q(logits_btv):
+  return jax.nn.log_softmax(logits_btv.astype(jnp.float32), axis=-1)
+
+
+def _at(values_btv, token_bt):
+  return jnp.take_along_axis(values_btv, token_bt[..., None], axis=-1)[..., 0]
+
+
+def _mix(logits_btv, log_q_btv, token_bt, lam_bt):
+  at_copy = jnp.log((1 - lam_bt) * jnp.exp(_at(log_q_btv, token_bt)) + lam_bt)
+  mixed = jnp.log1p(-lam_bt)[..., None] + log_q_btv
+  is_copy = jnp.arange(log_q_btv.shape[-1]) == token_bt[..., None]
   mixed = jnp.where(is_copy, at_copy[..., None], mixed)
   return jnp.where((lam_bt > 0)[..., None], mixed, logits_btv.astype(jnp.float32))
+
+
+def blend(logits_btv, token_bt, lam_bt):
+  """log q' for q = softmax(logits): (1 - lam) q + lam at `token_bt` (exact where lam = 0)."""
+  return _mix(logits_btv, _log_q(logits_btv), token_bt, lam_bt)
 
 
 def copy_logits(gate: CopyGate, logits_btv, history_bs, positions_bt):
   """The blended logits at `positions_bt` (the positions of the tokens just fed)."""
   token_bt, length_bt = suffix_lookup(history_bs, positions_bt, gate.max_ngram)
-  q_copy = jnp.take_along_axis(jax.nn.softmax(logits_btv.astype(jnp.float32), axis=-1),
-                               token_bt[..., None], axis=-1)[..., 0]
-  return blend(logits_btv, token_bt, gate.weight(length_bt, q_copy))
+  log_q = _log_q(logits_btv)  # one pass over the vocabulary for q(c) and the blend
+  lam_bt = gate.weight(length_bt, jnp.exp(_at(log_q, token_bt)))
+  return _mix(logits_btv, log_q, token_bt, lam_bt)
 
 
 @flax.struct.dataclass
