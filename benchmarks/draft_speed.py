@@ -127,14 +127,15 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
     p = probs_fn(hidden[:, span])[0]
     features = jnp.pad(hidden[:, :-1], ((0, 0), (1, 0), (0, 0)))  # f_{t-1} at t
     for name, (draft, params) in drafts.items():
-      logits, _ = forwards[name](params, jnp.asarray(tokens), features)  # kept vocabulary
+      logits, hidden_j = forwards[name](params, jnp.asarray(tokens), features)  # kept vocab
       ids = params["frozen"]["vocab_ids"]
       if isinstance(draft, context_copy.ContextCopyDraft):  # the blend needs every id
         full = jnp.full((*logits.shape[:2], span.stop - span.start, p.shape[-1]), -1e30)
         logits = full.at[..., ids].set(logits[:, :, span])
         at_bt = jnp.arange(span.start, span.stop)[None]
         q = jax.nn.softmax(jnp.stack([context_copy.copy_logits(
-            draft.gate, step, jnp.asarray(tokens), at_bt) for step in logits]), axis=-1)
+            draft.gate, logits[j], hidden_j[j, :, span], jnp.asarray(tokens), at_bt,
+            proposing=j > 0) for j in range(logits.shape[0])]), axis=-1)
         sums[name] += np.asarray(jnp.sum(jnp.minimum(p[None], q[:, 0]), axis=(-1, -2)))
         continue
       q = jax.nn.softmax(logits[:, 0, span], axis=-1)

@@ -61,8 +61,9 @@ def _greedy_reference(target, prompt, steps):
 PROMPTS = [[1, 2, 3, 4, 5], [7, 3], [2, 9, 9, 1, 4, 4, 8, 10, 3], [5, 6, 7]]
 
 
-# A gate that copies eagerly, so the copy token often wins the draft's argmax.
-EAGER_GATE = context_copy.CopyGate((0.1,), ((0.0, 0.0), (0.6, 0.5), (0.9, 0.8)))
+def _eager_gate(target):
+  """A gate that copies eagerly, so the copy token often wins the draft's argmax."""
+  return context_copy.CopyGate.by_length((0.6, 0.9), hidden_size=target.config.hidden_size)
 
 
 @pytest.mark.parametrize("kind,copy", [(kind, False) for kind in architectures.KINDS]
@@ -70,7 +71,7 @@ EAGER_GATE = context_copy.CopyGate((0.1,), ((0.0, 0.0), (0.6, 0.5), (0.9, 0.8)))
 def test_draft_kinds_run_in_the_speculative_loop(target, kind, copy):
   draft, params = _draft(kind, target)
   if copy:  # the copying wrapper's cache goes through roll-back, refill and the tail too
-    draft = context_copy.ContextCopyDraft(draft, EAGER_GATE)
+    draft = context_copy.ContextCopyDraft(draft, _eager_gate(target))
   dec = decoder_lib.SpeculativeDecoder(decoder_lib.ModelHandle(target.config, target.params),
                                        draft, params)
   expected = [_greedy_reference(target, p, 10) for p in PROMPTS]
@@ -446,7 +447,8 @@ def test_copying_draft_feeds_its_history_like_the_loop(target):
   """Prefill chunks, a roll-back and single proposals: the history holds every token at its
   position, and the logits are the inner draft's blended with the lookup on it."""
   inner, params = _draft("feature", target)
-  draft = context_copy.ContextCopyDraft(inner, EAGER_GATE)
+  gate = _eager_gate(target)
+  draft = context_copy.ContextCopyDraft(inner, gate)
   prompt = jnp.asarray([[5, 6, 7, 5, 6, 9, 5, 6]])
   features = jax.random.normal(jax.random.PRNGKey(3), (1, 8, target.config.hidden_size))
   cache = draft.init_cache(params, 1, 16)
@@ -455,9 +457,11 @@ def test_copying_draft_feeds_its_history_like_the_loop(target):
   cache = cache.with_lengths(jnp.asarray([5]))  # roll back one token, as a round does
   logits, _, cache = draft.forward(params, prompt[:, 5:8], cache, features[:, 5:8])
   _, _, inner_cache = inner.forward(params, prompt[:, :5], inner_cache, features[:, :5])
-  inner_logits, _, _ = inner.forward(params, prompt[:, 5:8], inner_cache, features[:, 5:8])
+  inner_logits, inner_hidden, _ = inner.forward(params, prompt[:, 5:8], inner_cache,
+                                                features[:, 5:8])
   np.testing.assert_array_equal(np.asarray(cache.history_bs[0, :8]), np.asarray(prompt[0]))
-  want = context_copy.copy_logits(EAGER_GATE, inner_logits, prompt, jnp.arange(5, 8)[None])
+  want = context_copy.copy_logits(gate, inner_logits, inner_hidden, prompt,
+                                  jnp.arange(5, 8)[None], proposing=False)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-5, atol=1e-5)
   # "5 6" occurred twice before position 7, the latest followed by 9: the copy token.
   assert int(jnp.argmax(logits[0, -1])) == 9
@@ -466,22 +470,40 @@ def test_copying_draft_feeds_its_history_like_the_loop(target):
   assert int(jnp.argmax(proposal[0, 0])) == 5  # "6 9" -> 5, as after position 5
 
 
-def test_copy_gate_fit_picks_each_cells_best_weight():
-  lams = np.array([0.0, 0.5, 0.9])
-  # Task a: matched positions (n = 1, q(c) below the edge) gain most at lam 0.5; n = 2 at 0.9.
-  curves_a = np.array([[0.3, 0.5, 0.4], [0.3, 0.5, 0.2], [0.2, 0.3, 0.6], [0.7, 0.1, 0.1]])
-  length_a, q_copy_a = np.array([1, 1, 2, 0]), np.array([0.05, 0.01, 0.5, 0.0])
-  curves_b = np.array([[0.6, 0.5, 0.1]])  # n = 2, q(c) high: lam 0 is best here alone
-  gate, report = copy_gate.fit({"a": (curves_a, length_a, q_copy_a),
-                                "b": (curves_b, np.array([2]), np.array([0.4]))},
-                               lams, max_ngram=2, q_edges=(0.1,))
-  # Cell (2, high q) pools task a's 0.6 gain over 4 positions and task b's loss over 1.
-  assert gate.lambdas == ((0.0, 0.0), (0.5, 0.0), (0.0, 0.0))
-  assert report["a"]["accept_without"] == pytest.approx(np.mean([0.3, 0.3, 0.2, 0.7]))
-  assert report["a"]["accept_with"] == pytest.approx(np.mean([0.5, 0.5, 0.2, 0.7]))
-  assert report["a"]["matched"] == 0.75 and report["b"]["positions"] == 1
-  with pytest.raises(ValueError, match="start at 0"):
-    copy_gate.fit({"a": (curves_a, length_a, q_copy_a)}, lams[1:], 2, (0.1,))
+def test_copy_gate_fit_learns_where_copying_pays():
+  """Synthetic curves: where the 'all_agree' feature is on, acceptance rises with lam (best
+  at 0.9); where it is off, it falls. The fitted probe must copy hard on the first and
+  hardly at all on the second, and beat lam = 0."""
+  lams = np.round(np.arange(0, 0.951, 0.05), 2)
+  rng = np.random.default_rng(0)
+  agree_column = 1 + context_copy.SCALAR_FEATURES.index("all_agree")  # after n = 1
+
+  def task(size):
+    features = np.zeros((size, 1, 1 + len(context_copy.SCALAR_FEATURES) + 2), np.float32)
+    features[:, 0, 0] = 1  # n = 1 everywhere
+    agree = rng.random(size) < 0.5
+    features[:, 0, agree_column] = agree
+    features[:, 0, -2:] = rng.normal(size=(size, 2))  # hidden noise
+    rising = 0.3 + 0.4 * lams - 0.2 * np.maximum(lams - 0.9, 0) * 20
+    falling = 0.5 - 0.4 * lams
+    curves = np.where(agree[:, None], rising, falling)[:, None]
+    return curves, features, np.ones(size, np.int32), agree
+
+  a, b = task(60), task(20)
+  gate, report = copy_gate.fit({"a": a[:3], "b": b[:3]}, lams, max_ngram=1, max_lam=0.95,
+                               l2=0.0, steps=800, learning_rate=0.05, log=_quiet)
+  for curves, features, length, agree in (a, b):
+    lam = np.asarray(gate.weight(jnp.asarray(features[:, 0]), jnp.asarray(length)))
+    assert lam[agree].min() > 0.75 and lam[~agree].max() < 0.1
+  for name, (curves, _, _, agree) in (("a", a), ("b", b)):
+    best = np.where(agree, curves[:, 0].max(-1), curves[:, 0, 0]).mean()
+    assert report[name]["accept_without"] == pytest.approx(curves[..., 0].mean())
+    assert report[name]["accept_without"] + 0.05 < report[name]["accept_with"] <= best + 1e-6
+    assert len(report[name]["accept_with_by_step"]) == 1
+  with pytest.raises(ValueError, match="lam grid must be"):
+    copy_gate.fit({"a": a[:3]}, lams[1:], 1, 0.95, log=_quiet)
+  with pytest.raises(ValueError, match="below max_lam"):
+    copy_gate.fit({"a": a[:3]}, lams[:-2], 1, 0.95, log=_quiet)
 
 
 def test_fit_copy_gate_mode_writes_a_copying_draft_folder(target, tmp_path, monkeypatch,
@@ -492,12 +514,13 @@ def test_fit_copy_gate_mode_writes_a_copying_draft_folder(target, tmp_path, monk
   data.generate(c.data, target, c.data.dir, log=_quiet, tokenizer=tok)
   monkeypatch.setattr(data, "target_continuations", _no_generation)
   c.mode, c.train.init_from, c.export_dir = "fit_copy_gate", base_draft[1], str(tmp_path / "out")
-  c.copy.shards, c.copy.max_ngram = (0, 1), 3
+  c.copy.shards, c.copy.max_ngram, c.copy.fit_steps = (0, 1), 3, 50
   train.validate(c)
   report = copy_gate.run(c, target, log=_quiet, tokenizer=tok)
   assert set(report) == {"gsm8k", "cnndm"}
   for row in report.values():
-    assert row["accept_with"] >= row["accept_without"] - 1e-6  # lam = 0 is in every cell
+    assert row["positions"] > 0 and 0 < row["accept_without"] < 1
+    assert len(row["accept_with_by_step"]) == c.copy.unroll
   draft, _ = artifacts.load_draft_folder(c.export_dir, target)
   assert isinstance(draft, context_copy.ContextCopyDraft) and draft.gate.max_ngram == 3
   plain, _ = artifacts.load_draft_folder(c.export_dir, target, copy=False)
@@ -511,6 +534,9 @@ def test_fit_copy_gate_mode_writes_a_copying_draft_folder(target, tmp_path, monk
   assert not os.path.exists(os.path.join(base_draft[1], copy_gate.GATE_FILE))
   c.copy.shards = ()
   with pytest.raises(ValueError, match="config.copy.shards"):
+    train.validate(c)
+  c.copy.shards, c.copy.max_lam = (0,), 0.93
+  with pytest.raises(ValueError, match="config.copy.max_lam=0.93.*multiple"):
     train.validate(c)
 
 

@@ -59,10 +59,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
       ("data.continuations_dir", config.mode != "fit_copy_gate"
        or bool(config.data.continuations_dir), "the gate is fitted on kept continuations"),
       ("copy.max_ngram", config.copy.max_ngram >= 1),
+      ("copy.unroll", config.copy.unroll >= 1),
       ("copy.lam_step", 0 < config.copy.lam_step <= config.copy.max_lam < 1),
       ("copy.max_lam", 0 < config.copy.max_lam < 1),
-      ("copy.q_edges", list(config.copy.q_edges) == sorted(config.copy.q_edges),
-       "bin edges must be increasing"),
+      ("copy.max_lam", abs(round(config.copy.max_lam / config.copy.lam_step)
+                           * config.copy.lam_step - config.copy.max_lam) < 1e-9,
+       "must be a multiple of copy.lam_step (the grid's last point)"),
+      ("copy.l2", config.copy.l2 >= 0),
+      ("copy.fit_steps", config.copy.fit_steps >= 1),
+      ("copy.learning_rate", config.copy.learning_rate > 0),
       ("copy.shards", config.mode != "fit_copy_gate" or len(config.copy.shards) > 0),
   ]
   for field, ok, *why in checks:

@@ -11,33 +11,48 @@ from
 
 where c is the token after the most recent earlier occurrence, in the prompt and the
 tokens so far, of the longest suffix of n <= max_ngram tokens that occurred before, and
-lam = gate[n][bin(q(c))] (0 without a match) is fitted per match length and per the
-draft's own probability of c (`diversed_jax.distill.copy_gate`). q' is a distribution
-that the draft samples from and reports, so every verification rule stays as exact (or as
-relaxed) as with q. The cost is a comparison of a few suffix tokens with the history:
-negligible next to a draft layer.
+lam (0 without a match) comes from a gate: a logistic probe of the lookup (n, how often the
+suffix occurred, whether every occurrence continued with c), the draft's own law (q(c),
+max q) and the draft's hidden state, which tells quoting from composing
+(`diversed_jax.distill.copy_gate` fits it). q' is a distribution that the draft samples
+from and reports, so every verification rule stays as exact (or as relaxed) as with q. The
+cost is a comparison of a few suffix tokens with the history and one dot product per
+drafted token: small next to a draft layer.
 
-Shape legend: B batch, T tokens per call, S cache slots (the history's length), V vocabulary.
+Shape legend: B batch, T tokens per call, S cache slots (the history's length), V vocabulary,
+D the draft's hidden width, F gate features.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 
-def suffix_lookup(history_bs, positions_bt, max_ngram: int):
-  """For each query position t: (c, n), the token after the most recent occurrence ending
-  at j < t of the longest suffix history[t-n+1 .. t] (1 <= n <= max_ngram), or (0, 0)
-  without one. Only slots before t are read (slots past it may be stale)."""
+class Lookup(NamedTuple):
+  token_bt: jax.Array  # c, the copy token (0 without a match)
+  length_bt: jax.Array  # n, the matched suffix's length (0: no match)
+  count_bt: jax.Array  # earlier occurrences of the matched suffix
+  agree_bt: jax.Array  # whether every one of them was followed by c
+
+
+def suffix_lookup(history_bs, positions_bt, max_ngram: int) -> Lookup:
+  """For each query position t: the token after the most recent occurrence ending at j < t
+  of the longest suffix history[t-n+1 .. t] (1 <= n <= max_ngram), with n, the number of
+  such occurrences and whether all were followed by that token. Only slots before t are
+  read (slots past it may be stale)."""
   b, s = history_bs.shape
   slots = jnp.arange(s)
+  after_bs = jnp.roll(history_bs, -1, axis=1)  # the token after slot j (read for j < t only)
   token_bt = jnp.zeros(positions_bt.shape, jnp.int32)
   length_bt = jnp.zeros(positions_bt.shape, jnp.int32)
+  count_bt = jnp.zeros(positions_bt.shape, jnp.int32)
+  agree_bt = jnp.zeros(positions_bt.shape, bool)
   match_bts = slots < positions_bt[:, :, None]  # the continuation j + 1 is known
   for k in range(max_ngram):
     # The suffix's k-th token from the end, against history[j - k] for every candidate j.
@@ -48,50 +63,93 @@ def suffix_lookup(history_bs, positions_bt, max_ngram: int):
     found_bt = jnp.any(match_bts, axis=-1)
     latest_bt = jnp.max(jnp.where(match_bts, slots, -1), axis=-1)
     next_bt = jnp.take_along_axis(history_bs, jnp.clip(latest_bt + 1, 0, s - 1), axis=1)
+    same_bt = jnp.all(~match_bts | (after_bs[:, None, :] == next_bt[:, :, None]), axis=-1)
     # Longer suffixes match a subset of the shorter ones' slots: the last found wins.
     token_bt = jnp.where(found_bt, next_bt, token_bt)
     length_bt = jnp.where(found_bt, k + 1, length_bt)
-  return token_bt, length_bt
+    count_bt = jnp.where(found_bt, jnp.sum(match_bts, axis=-1), count_bt)
+    agree_bt = jnp.where(found_bt, same_bt, agree_bt)
+  return Lookup(token_bt, length_bt, count_bt, agree_bt)
+
+
+_LOG_FLOOR = math.log(1e-6)  # log-probabilities below this read as this
+# Per position: one-hot n (max_ngram of them), then these, then the hidden state (D).
+SCALAR_FEATURES = ("log_q_copy", "log_q_max", "copy_is_argmax", "all_agree", "log_count",
+                   "proposing")
+_HIDDEN_SCALE = 4.0  # the unit-norm hidden state's scale among the O(1) scalar features
+
+
+def gate_features(lookup: Lookup, log_q_btv, hidden_btd, proposing: bool, max_ngram: int):
+  """[B, T, F] features of the gate; `proposing`: the draft is extending its own proposals
+  (drafting step 2 on), where it reads its own features rather than the target's."""
+  log_q_copy = _at(log_q_btv, lookup.token_bt)
+  log_q_max = jnp.max(log_q_btv, axis=-1)
+  scalars = [jnp.maximum(log_q_copy, _LOG_FLOOR) / 10, jnp.maximum(log_q_max, _LOG_FLOOR) / 5,
+             (log_q_copy >= log_q_max).astype(jnp.float32),
+             lookup.agree_bt.astype(jnp.float32), jnp.log1p(lookup.count_bt) / 3,
+             jnp.full(log_q_copy.shape, float(proposing))]
+  one_hot = lookup.length_bt[..., None] == jnp.arange(1, max_ngram + 1)
+  hidden = hidden_btd.astype(jnp.float32)
+  hidden = hidden * _HIDDEN_SCALE / (jnp.linalg.norm(hidden, axis=-1, keepdims=True) + 1e-6)
+  return jnp.concatenate([one_hot.astype(jnp.float32), jnp.stack(scalars, axis=-1), hidden],
+                         axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
 class CopyGate:
-  """lam = lambdas[n][bin], bin = number of `q_edges` at or below q(c); n = 0 means no
-  match (its row must be zeros). Tuples, so that a draft holding it stays hashable."""
-  q_edges: tuple[float, ...]
-  lambdas: tuple[tuple[float, ...], ...]
+  """lam = max_lam * sigmoid(weights . features + bias) where the lookup matched, else 0
+  (features: `gate_features`). Tuples, so that a draft holding it stays hashable."""
+  max_ngram: int
+  weights: tuple[float, ...]
+  bias: float
+  max_lam: float = 0.95
 
   def __post_init__(self):
-    rows = len(self.lambdas)
-    if rows < 2:
-      raise ValueError(f"copy gate needs rows for n = 0..max_ngram (max_ngram >= 1), got {rows}")
-    for n, row in enumerate(self.lambdas):
-      if len(row) != len(self.q_edges) + 1:
-        raise ValueError(f"copy gate row n={n} has {len(row)} entries; q_edges "
-                         f"{self.q_edges} need {len(self.q_edges) + 1}")
-      if any(not 0.0 <= lam < 1.0 for lam in row):
-        raise ValueError(f"copy gate row n={n} = {row}: every lam must be in [0, 1)")
-    if any(self.lambdas[0]):
-      raise ValueError(f"copy gate row n=0 (no match) must be zeros, got {self.lambdas[0]}")
-    if list(self.q_edges) != sorted(self.q_edges):
-      raise ValueError(f"copy gate q_edges must be increasing, got {self.q_edges}")
+    if self.max_ngram < 1:
+      raise ValueError(f"copy gate max_ngram must be >= 1, got {self.max_ngram}")
+    if not 0.0 < self.max_lam < 1.0:
+      raise ValueError(f"copy gate max_lam must be in (0, 1), got {self.max_lam}")
+    if self.hidden_size < 1:
+      raise ValueError(f"copy gate has {len(self.weights)} weights; max_ngram "
+                       f"{self.max_ngram} needs {self.max_ngram + len(SCALAR_FEATURES)} "
+                       "plus one per hidden unit")
+    if not all(math.isfinite(x) for x in (*self.weights, self.bias)):
+      raise ValueError("copy gate weights and bias must be finite")
+
+  @classmethod
+  def by_length(cls, lams: tuple[float, ...], hidden_size: int,
+                max_lam: float = 0.95) -> "CopyGate":
+    """A hand-set gate: lam = lams[n - 1] for a match of length n, whatever else holds
+    (for ablations and tests; 0 < lam < max_lam)."""
+    if not all(0.0 < lam < max_lam for lam in lams):
+      raise ValueError(f"by_length lams {lams} must lie in (0, max_lam={max_lam})")
+    logits = tuple(math.log(lam / (max_lam - lam)) for lam in lams)
+    zeros = (0.0,) * (len(SCALAR_FEATURES) + hidden_size)
+    return cls(len(lams), logits + zeros, 0.0, max_lam)
 
   @property
-  def max_ngram(self) -> int:
-    return len(self.lambdas) - 1
+  def hidden_size(self) -> int:
+    """The width of the draft hidden state the gate reads."""
+    return len(self.weights) - self.max_ngram - len(SCALAR_FEATURES)
 
   def to_json(self) -> dict:
-    return {"q_edges": list(self.q_edges), "lambdas": [list(r) for r in self.lambdas]}
+    return {"max_ngram": self.max_ngram, "max_lam": self.max_lam, "bias": self.bias,
+            "features": ["n=%d" % n for n in range(1, self.max_ngram + 1)]
+            + list(SCALAR_FEATURES) + [f"hidden[{self.hidden_size}]"],
+            "weights": list(self.weights)}
 
   @classmethod
   def from_json(cls, data: dict) -> "CopyGate":
-    return cls(tuple(float(e) for e in data["q_edges"]),
-               tuple(tuple(float(x) for x in row) for row in data["lambdas"]))
+    return cls(int(data["max_ngram"]), tuple(float(x) for x in data["weights"]),
+               float(data["bias"]), float(data["max_lam"]))
 
-  def weight(self, length_bt, q_copy_bt):
-    table = jnp.asarray(self.lambdas, jnp.float32)
-    bins = jnp.searchsorted(jnp.asarray(self.q_edges, jnp.float32), q_copy_bt, side="right")
-    return table[length_bt, bins]
+  def weight(self, features_btf, length_bt):
+    if features_btf.shape[-1] != len(self.weights):
+      raise ValueError(f"copy gate reads {len(self.weights)} features (a hidden state of "
+                       f"{self.hidden_size}); the draft gives {features_btf.shape[-1]}")
+    lam = self.max_lam * jax.nn.sigmoid(features_btf @ jnp.asarray(self.weights, jnp.float32)
+                                        + self.bias)
+    return jnp.where(length_bt > 0, lam, 0.0)
 
 
 def _log_q(logits_btv):
@@ -115,12 +173,14 @@ def blend(logits_btv, token_bt, lam_bt):
   return _mix(logits_btv, _log_q(logits_btv), token_bt, lam_bt)
 
 
-def copy_logits(gate: CopyGate, logits_btv, history_bs, positions_bt):
-  """The blended logits at `positions_bt` (the positions of the tokens just fed)."""
-  token_bt, length_bt = suffix_lookup(history_bs, positions_bt, gate.max_ngram)
-  log_q = _log_q(logits_btv)  # one pass over the vocabulary for q(c) and the blend
-  lam_bt = gate.weight(length_bt, jnp.exp(_at(log_q, token_bt)))
-  return _mix(logits_btv, log_q, token_bt, lam_bt)
+def copy_logits(gate: CopyGate, logits_btv, hidden_btd, history_bs, positions_bt,
+                proposing: bool):
+  """The blended logits at `positions_bt` (the positions of the tokens just fed), from the
+  draft's logits and hidden states there."""
+  lookup = suffix_lookup(history_bs, positions_bt, gate.max_ngram)
+  log_q = _log_q(logits_btv)  # one pass over the vocabulary for the features and the blend
+  features = gate_features(lookup, log_q, hidden_btd, proposing, gate.max_ngram)
+  return _mix(logits_btv, log_q, lookup.token_bt, gate.weight(features, lookup.length_bt))
 
 
 @flax.struct.dataclass
@@ -167,5 +227,6 @@ class ContextCopyDraft:
     history = cache.history_bs.at[rows_b1, positions_bt].set(tokens_bt, mode="drop")
     logits, hidden, inner = self.inner.forward(params, tokens_bt, cache.inner,
                                                target_hidden_btd)
-    logits = copy_logits(self.gate, logits, history, jnp.minimum(positions_bt, s - 1))
+    logits = copy_logits(self.gate, logits, hidden, history, jnp.minimum(positions_bt, s - 1),
+                         proposing=target_hidden_btd is None)
     return logits, hidden, CopyCache(inner, history)
