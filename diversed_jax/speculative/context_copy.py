@@ -48,28 +48,27 @@ def suffix_lookup(history_bs, positions_bt, max_ngram: int) -> Lookup:
   read (slots past it may be stale)."""
   b, s = history_bs.shape
   slots = jnp.arange(s)
-  after_bs = jnp.roll(history_bs, -1, axis=1)  # the token after slot j (read for j < t only)
-  token_bt = jnp.zeros(positions_bt.shape, jnp.int32)
-  length_bt = jnp.zeros(positions_bt.shape, jnp.int32)
-  count_bt = jnp.zeros(positions_bt.shape, jnp.int32)
-  agree_bt = jnp.zeros(positions_bt.shape, bool)
-  match_bts = slots < positions_bt[:, :, None]  # the continuation j + 1 is known
+  # run_bts[j] = how many of the suffix's last tokens (up to max_ngram) end at slot j too;
+  # only slots whose continuation j + 1 is known (j < t) are candidates.
+  match_bts = slots < positions_bt[:, :, None]
+  run_bts = jnp.zeros(match_bts.shape, jnp.int32)
   for k in range(max_ngram):
     # The suffix's k-th token from the end, against history[j - k] for every candidate j.
     suffix_bt = jnp.take_along_axis(history_bs, jnp.maximum(positions_bt - k, 0), axis=1)
     shifted_bs = jnp.roll(history_bs, k, axis=1)
     match_bts &= (shifted_bs[:, None, :] == suffix_bt[:, :, None]) & (slots >= k)
     match_bts &= (positions_bt >= k)[:, :, None]
-    found_bt = jnp.any(match_bts, axis=-1)
-    latest_bt = jnp.max(jnp.where(match_bts, slots, -1), axis=-1)
-    next_bt = jnp.take_along_axis(history_bs, jnp.clip(latest_bt + 1, 0, s - 1), axis=1)
-    same_bt = jnp.all(~match_bts | (after_bs[:, None, :] == next_bt[:, :, None]), axis=-1)
-    # Longer suffixes match a subset of the shorter ones' slots: the last found wins.
-    token_bt = jnp.where(found_bt, next_bt, token_bt)
-    length_bt = jnp.where(found_bt, k + 1, length_bt)
-    count_bt = jnp.where(found_bt, jnp.sum(match_bts, axis=-1), count_bt)
-    agree_bt = jnp.where(found_bt, same_bt, agree_bt)
-  return Lookup(token_bt, length_bt, count_bt, agree_bt)
+    run_bts += match_bts
+  # The reductions run once, on the longest run: its latest slot gives the copy token.
+  length_bt = jnp.max(run_bts, axis=-1)
+  longest_bts = (run_bts == length_bt[:, :, None]) & (length_bt > 0)[:, :, None]
+  latest_bt = jnp.max(jnp.where(longest_bts, slots, -1), axis=-1)
+  token_bt = jnp.take_along_axis(history_bs, jnp.clip(latest_bt + 1, 0, s - 1), axis=1)
+  token_bt = jnp.where(length_bt > 0, token_bt, 0)
+  after_bs = jnp.roll(history_bs, -1, axis=1)  # the token after slot j (read for j < t only)
+  agree_bt = jnp.all(~longest_bts | (after_bs[:, None, :] == token_bt[:, :, None]), axis=-1)
+  return Lookup(token_bt, length_bt, jnp.sum(longest_bts, axis=-1, dtype=jnp.int32),
+                agree_bt & (length_bt > 0))
 
 
 _LOG_FLOOR = math.log(1e-6)  # log-probabilities below this read as this
