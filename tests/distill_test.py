@@ -3,6 +3,7 @@ loop, a short run lowering the loss, checkpoint resume, and the shipped draft (s
 
 import dataclasses
 import importlib.util
+import json
 import os
 import zlib
 
@@ -504,6 +505,19 @@ def test_copy_gate_fit_learns_where_copying_pays():
     copy_gate.fit({"a": a[:3]}, lams[1:], 1, 0.95, log=_quiet)
   with pytest.raises(ValueError, match="below max_lam"):
     copy_gate.fit({"a": a[:3]}, lams[:-2], 1, 0.95, log=_quiet)
+
+
+def test_read_gate_names_bad_and_old_gate_files(tmp_path):
+  path = tmp_path / copy_gate.GATE_FILE
+  path.write_text(json.dumps({"q_edges": [0.1], "lambdas": [[0.0, 0.0], [0.5, 0.2]]}))
+  with pytest.raises(ValueError, match="old table gate.*fit_copy_gate"):
+    copy_gate.read_gate(str(tmp_path))
+  path.write_text(json.dumps({"max_ngram": 2, "bias": 0.0, "max_lam": 0.9}))
+  with pytest.raises(ValueError, match="copy_gate.json is not a valid copy gate.*weights"):
+    copy_gate.read_gate(str(tmp_path))
+  gate = context_copy.CopyGate.by_length((0.2, 0.4), hidden_size=3)
+  copy_gate.save_gate(str(tmp_path), gate, {"note": 1})
+  assert copy_gate.read_gate(str(tmp_path)) == gate
 
 
 def test_fit_copy_gate_mode_writes_a_copying_draft_folder(target, tmp_path, monkeypatch,

@@ -164,7 +164,15 @@ def read_gate(folder: str) -> context_copy.CopyGate | None:
   if not os.path.isfile(path):
     return None
   with open(path) as f:
-    return context_copy.CopyGate.from_json(json.load(f))
+    data = json.load(f)
+  if "lambdas" in data:  # session 29's per-cell table
+    raise ValueError(f"{path} is an old table gate (lam per match length and q(c) bin); "
+                     "refit it with --config.mode=fit_copy_gate, or load the folder as "
+                     "nocopy:FOLDER")
+  try:
+    return context_copy.CopyGate.from_json(data)
+  except (KeyError, TypeError, ValueError) as e:
+    raise ValueError(f"{path} is not a valid copy gate: {e!r}") from e
 
 
 def run(config, target, log=print, tokenizer=None) -> dict:
