@@ -46,7 +46,7 @@ def suffix_lookup(history_bs, positions_bt, max_ngram: int) -> Lookup:
   of the longest suffix history[t-n+1 .. t] (1 <= n <= max_ngram), with n, the number of
   such occurrences and whether all were followed by that token. Only slots before t are
   read (slots past it may be stale)."""
-  b, s = history_bs.shape
+  s = history_bs.shape[1]
   slots = jnp.arange(s)
   # run_bts[j] = how many of the suffix's last tokens (up to max_ngram) end at slot j too;
   # only slots whose continuation j + 1 is known (j < t) are candidates.
