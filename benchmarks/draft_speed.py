@@ -102,6 +102,7 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
   import jax
   import jax.numpy as jnp
 
+  from diversed_jax.distill import architectures
   from diversed_jax.models import transformer
   from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
   from diversed_jax.speculative.types import VerifyParams
@@ -130,8 +131,7 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
       logits, hidden_j = forwards[name](params, jnp.asarray(tokens), features)  # kept vocab
       ids = params["frozen"]["vocab_ids"]
       if isinstance(draft, context_copy.ContextCopyDraft):  # the blend needs every id
-        full = jnp.full((*logits.shape[:2], span.stop - span.start, p.shape[-1]), -1e30)
-        logits = full.at[..., ids].set(logits[:, :, span])
+        logits = architectures.to_full_vocab(logits[:, :, span], ids, p.shape[-1])
         at_bt = jnp.arange(span.start, span.stop)[None]
         q = jax.nn.softmax(jnp.stack([context_copy.copy_logits(
             draft.gate, logits[j], hidden_j[j, :, span], jnp.asarray(tokens), at_bt,

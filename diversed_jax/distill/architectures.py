@@ -58,9 +58,13 @@ def head_logits(params, hidden_btd, draft_hidden: int, target_hidden: int,
                              preferred_element_type=jnp.float32)
   if not full_vocab:
     return small
-  b, t, _ = small.shape
-  out = jnp.full((b, t, vocab_size), NEG_INF, jnp.float32)
-  return out.at[:, :, params["frozen"]["vocab_ids"]].set(small)
+  return to_full_vocab(small, params["frozen"]["vocab_ids"], vocab_size)
+
+
+def to_full_vocab(kept_logits, vocab_ids, vocab_size: int):
+  """[..., V] float32 logits from the kept tokens' [..., Vs] (NEG_INF elsewhere)."""
+  out = jnp.full((*kept_logits.shape[:-1], vocab_size), NEG_INF, jnp.float32)
+  return out.at[..., vocab_ids].set(kept_logits)
 
 
 @flax.struct.dataclass

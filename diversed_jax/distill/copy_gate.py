@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diversed_jax.distill import architectures
 from diversed_jax.models import transformer
 from diversed_jax.speculative import context_copy
 
@@ -50,8 +51,8 @@ def _position_data(target_params, draft_params, tokens_1w, start, lams_g, *, tar
   curves, gate_features = [], []
   for j in range(steps):
     pass_j = min(j, logits_j.shape[0] - 1)  # an independent draft has one pass for all steps
-    kept = take(logits_j[pass_j])  # the kept vocabulary; the blend needs every id
-    full = jnp.full(p.shape, -1e30).at[..., draft_params["frozen"]["vocab_ids"]].set(kept)
+    full = architectures.to_full_vocab(take(logits_j[pass_j]),  # the blend needs every id
+                                       draft_params["frozen"]["vocab_ids"], p.shape[-1])
     log_q = jax.nn.log_softmax(full, axis=-1)
     q = jnp.exp(log_q)
     gate_features.append(context_copy.gate_features(lookup, log_q, take(hidden_j[pass_j]),
