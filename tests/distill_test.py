@@ -471,6 +471,25 @@ def test_copying_draft_feeds_its_history_like_the_loop(target):
   assert int(jnp.argmax(proposal[0, 0])) == 5  # "6 9" -> 5, as after position 5
 
 
+def test_copying_draft_sets_proposing_only_on_its_own_proposals(target):
+  """The gate's 'proposing' feature is on exactly when no target features come with the
+  tokens (drafting step 2 on): a gate reading only it copies on proposals alone."""
+  inner, params = _draft("feature", target)
+  weights = [0.0] * (2 + len(context_copy.SCALAR_FEATURES) + target.config.hidden_size)
+  weights[2 + context_copy.SCALAR_FEATURES.index("proposing")] = 10.0
+  draft = context_copy.ContextCopyDraft(inner, context_copy.CopyGate(2, tuple(weights), -5.0))
+  prompt = jnp.asarray([[5, 6, 7, 5, 6]])
+  features = jax.random.normal(jax.random.PRNGKey(4), (1, 5, target.config.hidden_size))
+  fed, _, cache = draft.forward(params, prompt, draft.init_cache(params, 1, 16), features)
+  inner_fed, _, _ = inner.forward(params, prompt, inner.init_cache(params, 1, 16), features)
+  # Fed with target features: lam = 0.95 sigmoid(-5) ~ 0.006 on the copy token 7.
+  np.testing.assert_allclose(np.asarray(jax.nn.softmax(fed[0, -1]))[7],
+                             np.asarray(jax.nn.softmax(inner_fed[0, -1]))[7], atol=0.01)
+  # A proposal: lam = 0.95 sigmoid(5) ~ 0.94 on the copy token ("6 7" -> 5).
+  proposal, _, _ = draft.forward(params, jnp.asarray([[7]]), cache, None)
+  assert float(jax.nn.softmax(proposal[0, 0])[5]) > 0.9
+
+
 def test_copy_gate_fit_learns_where_copying_pays():
   """Synthetic curves: where the 'all_agree' feature is on, acceptance rises with lam (best
   at 0.9); where it is off, it falls. The fitted probe must copy hard on the first and
