@@ -28,12 +28,14 @@ def _random(rng, *shape):
   return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
-# Shapes cover every row group (1-4 rows in one pass; more in groups of 4 and a remainder),
-# `in` with and without a tail past a multiple of 8, `out` with partial tiles and chunks.
+# Shapes cover every row group (1-4 rows in one pass; more in groups of up to 4 and a
+# remainder; groups of 2 and 1 where `in` is long), `in` with and without a last 8-float
+# step past a multiple of 16 and a scalar tail, `out` split into uneven chunks.
 @needs_kernel
 @pytest.mark.parametrize("rows,size_in,size_out", [
     (1, 576, 960), (2, 64, 13), (3, 40, 7), (4, 576, 3072), (5, 1536, 576), (6, 24, 30),
-    (7, 8, 9), (8, 100, 50), (13, 37, 19), (32, 576, 960), (3, 5, 3)])
+    (7, 8, 9), (8, 100, 50), (13, 37, 19), (32, 576, 960), (3, 5, 3), (4, 1536, 33),
+    (3, 5000, 7)])
 def test_kernel_equals_the_float64_contraction(rows, size_in, size_out):
   rng = np.random.default_rng(rows * 1000 + size_in)
   x, w_oi = _random(rng, rows, size_in), _random(rng, size_out, size_in)
@@ -45,10 +47,11 @@ def test_kernel_equals_the_float64_contraction(rows, size_in, size_out):
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_its_companions():
+@pytest.mark.parametrize("size_in", [576, 1536, 4100])  # rows grouped by 4, 2 and 1
+def test_a_rows_result_does_not_depend_on_its_companions(size_in):
   # What makes one row's logits the same whether 1 or K + 1 tokens are verified with it.
   rng = np.random.default_rng(1)
-  x, w_oi = _random(rng, 11, 576), _random(rng, 1000, 576)
+  x, w_oi = _random(rng, 11, size_in), _random(rng, 1000, size_in)
   together = np.asarray(jax.jit(cpu_kernels.few_row_matmul)(x, w_oi))
   for start, stop in [(0, 1), (3, 4), (2, 5), (0, 8), (5, 11)]:
     alone = np.asarray(jax.jit(cpu_kernels.few_row_matmul)(x[start:stop], w_oi))

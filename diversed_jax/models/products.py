@@ -5,16 +5,16 @@ few rows (the K+1 tokens one sequence verifies, a small batch's decoding step) g
 kernels that take 2-3x the GEMV's time, though they read the same weights. Three forms:
 
 - "kernel": `cpu_kernels.few_row_matmul`, a hand-written FFI kernel that streams each
-  weight row once for all rows on XLA's threads. Used on a single CPU device for
-  MIN_FEW_ROWS to MAX_FEW_ROWS float32 rows whenever it could be built
-  (`cpu_kernels.available()`); one row keeps XLA's GEMV, as fast, so plain decoding is
-  XLA's own; several devices keep XLA's forms, which its SPMD partitioner can split (it
-  would gather a custom call's operands). Each row's result is bitwise the same whatever
-  the number of rows.
+  weight row once for all rows on XLA's threads. Used on a single CPU device for 1 to
+  MAX_FEW_ROWS float32 rows whenever it could be built (`cpu_kernels.available()`): one row
+  too, where it streams as fast as XLA's GEMV or faster, so plain decoding and verification
+  share one product and each row's result is bitwise the same whatever the number of rows
+  beside it. Several devices keep XLA's forms, which its SPMD partitioner can split (it
+  would gather a custom call's operands).
 - "fused": the contraction written as a broadcast multiply and a sum over `in`, which
   XLA:CPU turns into one fused loop (its YNNPACK fusion) that takes 0.7-0.85x the GEMM's
   time for 2 to 8 rows and ~0.9x for 16 to 32; far slower for one row. The CPU fallback
-  for the same rows where the kernel is unavailable; rows padded to a multiple
+  for 2 to MAX_FEW_ROWS rows where the kernel is unavailable; rows padded to a multiple
   of 4 (the loop is slower at 5 or 6 rows than at 8).
 - "dot": everything else (other backends and dtypes, more rows).
 
@@ -30,8 +30,9 @@ import jax.numpy as jnp
 
 from diversed_jax.models import cpu_kernels
 
-# Row counts (all leading axes of x together) that take the kernel or the fused form on CPU.
-MIN_FEW_ROWS = 2
+# Row counts (all leading axes of x together) that take the kernel (1 to MAX_FEW_ROWS) or
+# the fused form (MIN_FUSED_ROWS to MAX_FEW_ROWS) on CPU.
+MIN_FUSED_ROWS = 2
 MAX_FEW_ROWS = 32
 _ROW_MULTIPLE = 4
 FORMS = ("kernel", "fused", "dot")
@@ -44,8 +45,9 @@ FORCE_FORM: str | None = None
 def product_form(num_rows: int, dtype) -> str:
   """The form `matmul_oi` takes for `num_rows` rows of `dtype` (decided at trace time)."""
   on_cpu_f32 = jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
-  fused = on_cpu_f32 and MIN_FEW_ROWS <= num_rows <= MAX_FEW_ROWS
-  kernel = fused and jax.device_count() == 1 and cpu_kernels.available()
+  few = on_cpu_f32 and num_rows <= MAX_FEW_ROWS
+  kernel = few and jax.device_count() == 1 and cpu_kernels.available()
+  fused = few and num_rows >= MIN_FUSED_ROWS
   if FORCE_FORM is not None:
     if FORCE_FORM not in FORMS:
       raise ValueError(f"products.FORCE_FORM must be one of {FORMS}, got {FORCE_FORM!r}")

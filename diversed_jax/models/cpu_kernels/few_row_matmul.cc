@@ -4,11 +4,13 @@
 // to GEMM kernels (or, via `products.matmul_oi`'s fused form, a multiply-and-reduce loop)
 // that take 1.5-2.5x as long, though all read the same weights once. Verifying K drafted
 // tokens is such a product, so its cost sets the speed-up of speculative decoding on CPU.
-// This kernel streams each weight row once and multiplies it into every row of x while it
-// is in registers, splitting the output rows over XLA's intra-op thread pool.
+// This kernel streams each weight row once, multiplies it into every row of x (read from
+// L1), and splits the output rows over XLA's intra-op thread pool. It also serves one row,
+// as fast as XLA's GEMV or faster, so decoding and verification share one product.
 //
 // Every y[m, o] is accumulated in the same order whatever the number of rows and however
-// the work is split: 8 lanes over i in steps of 8, a fixed lane reduction, then the tail.
+// the work is split: two 8-lane accumulators over alternate 8-float steps of i (a last
+// lone step goes to the first), their sum, a fixed lane reduction, then the scalar tail.
 // So one row's result is bitwise the same alone or among others (a token's products do not
 // depend on how many tokens are verified with it).
 
@@ -35,58 +37,40 @@ inline float LaneSum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// How far ahead (floats) each weight stream of a several-row tile is prefetched. Without it
-// the 3-4 row tiles, busy with their FMAs, leave the memory idle and 4 rows cost 1.5x one
-// row; with it about the same (2-core Zen host; 1,024 and 2,048 measured equal). Prefetches
-// past the end of `w` are harmless: a prefetch never faults.
-constexpr int64_t kPrefetchFloats = 1024;
-
-// ROWS rows of x against OUTS consecutive weight rows starting at `o`. The accumulators
-// (ROWS * OUTS) and the ROWS vectors of x stay in registers, so each weight vector is
-// loaded once for all rows and each x vector once for all OUTS weight rows.
-template <int ROWS, int OUTS>
-inline void Tile(const float* x, const float* w, float* y, int64_t in, int64_t out,
-                 int64_t o) {
-  const int64_t in8 = in & ~int64_t{7};
-  __m256 acc[OUTS][ROWS];
-  for (int b = 0; b < OUTS; ++b)
-    for (int m = 0; m < ROWS; ++m) acc[b][m] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < in8; i += 8) {
-    __m256 xv[ROWS];
-    for (int m = 0; m < ROWS; ++m) {
-      xv[m] = _mm256_loadu_ps(x + m * in + i);
-      // Pinned to a register: GCC would otherwise reload it for every weight row.
-      if (ROWS >= 2) asm("" : "+x"(xv[m]));
-    }
-    if (ROWS >= 2 && (i & 15) == 0) {  // one prefetch per 64-byte line of each stream
-      for (int b = 0; b < OUTS; ++b) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (o + b) * in + i + kPrefetchFloats),
-                     _MM_HINT_T0);
-      }
-    }
-    for (int b = 0; b < OUTS; ++b) {
-      const __m256 wv = _mm256_loadu_ps(w + (o + b) * in + i);
-      for (int m = 0; m < ROWS; ++m) acc[b][m] = _mm256_fmadd_ps(wv, xv[m], acc[b][m]);
-    }
-  }
-  for (int b = 0; b < OUTS; ++b) {
-    for (int m = 0; m < ROWS; ++m) {
-      float s = LaneSum(acc[b][m]);
-      for (int64_t i = in8; i < in; ++i) s += x[m * in + i] * w[(o + b) * in + i];
-      y[m * out + o + b] = s;
-    }
-  }
-}
-
-// Output rows [o_begin, o_end) for ROWS rows of x. Two weight rows per tile for several
-// rows (measured fastest for 2-4 rows, and it fits the 16 vector registers), four for one.
+// ROWS rows of x against weight rows [o_begin, o_end), one weight row after the other: each
+// thread's weights stream forward through memory in one sequence, the hardware prefetcher's
+// best case, while the few rows of x are read from L1. (Tiles of 2 weight rows x ROWS rows
+// with x held in registers issue fewer loads, but their short interleaved streams ran at
+// 60-75% of this on a 2-core Zen 4 host.) Two accumulators per row, over alternate 8-float
+// steps, keep two FMA chains in flight.
 template <int ROWS>
 void RowGroup(const float* x, const float* w, float* y, int64_t in, int64_t out,
               int64_t o_begin, int64_t o_end) {
-  constexpr int kOuts = ROWS == 1 ? 4 : 2;
-  int64_t o = o_begin;
-  for (; o + kOuts <= o_end; o += kOuts) Tile<ROWS, kOuts>(x, w, y, in, out, o);
-  for (; o < o_end; ++o) Tile<ROWS, 1>(x, w, y, in, out, o);
+  const int64_t in16 = in & ~int64_t{15};
+  const int64_t in8 = in & ~int64_t{7};
+  for (int64_t o = o_begin; o < o_end; ++o) {
+    const float* w_row = w + o * in;
+    __m256 even[ROWS], odd[ROWS];
+    for (int m = 0; m < ROWS; ++m) even[m] = odd[m] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < in16; i += 16) {
+      const __m256 w_even = _mm256_loadu_ps(w_row + i);
+      const __m256 w_odd = _mm256_loadu_ps(w_row + i + 8);
+      for (int m = 0; m < ROWS; ++m) {
+        even[m] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(x + m * in + i), even[m]);
+        odd[m] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(x + m * in + i + 8), odd[m]);
+      }
+    }
+    if (in8 > in16) {
+      const __m256 w_even = _mm256_loadu_ps(w_row + in16);
+      for (int m = 0; m < ROWS; ++m)
+        even[m] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(x + m * in + in16), even[m]);
+    }
+    for (int m = 0; m < ROWS; ++m) {
+      float s = LaneSum(_mm256_add_ps(even[m], odd[m]));
+      for (int64_t i = in8; i < in; ++i) s += x[m * in + i] * w_row[i];
+      y[m * out + o] = s;
+    }
+  }
 }
 
 // Up to 4 rows of x against output rows [o_begin, o_end) in one pass over the weights.
@@ -100,22 +84,27 @@ void RowGroups(const float* x, const float* w, float* y, int64_t rows, int64_t i
   }
 }
 
-// All `rows` rows of x against output rows [o_begin, o_end). Up to 4 rows: one pass (the
-// blocked loop below measured ~2x slower for 3-4 rows, a code-generation effect that was
-// not pinned down). More: blocks of ~64 KB of weights, each multiplied by every group of up
-// to 4 rows before the next, so groups after the first read it from cache.
+// Bytes of x that one pass over the weights reads alongside them: kept well inside a 32 KB
+// L1 so the weight stream does not evict them (4 rows of 1,536 floats, 24 KB, ran 1.6x
+// slower than 2 + 2 rows over cached weight blocks).
+constexpr int64_t kRowBytesPerPass = 16384;
+
+// All `rows` rows of x against output rows [o_begin, o_end). Rows whose x fits in
+// kRowBytesPerPass (at most 4): one pass. More: blocks of ~64 KB of weights, each multiplied
+// by every group of rows before the next, so groups after the first read it from cache.
 void Chunk(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out,
            int64_t o_begin, int64_t o_end) {
-  if (rows <= 4) {
+  const int64_t group = std::clamp<int64_t>(kRowBytesPerPass / (in * 4), 1, 4);
+  if (rows <= group) {
     RowGroups(x, w, y, rows, in, out, o_begin, o_end);
     return;
   }
-  const int64_t block = std::max<int64_t>(12, int64_t{16384} / in / 12 * 12);
+  const int64_t block = std::max<int64_t>(1, int64_t{16384} / in);
   for (int64_t b_begin = o_begin; b_begin < o_end; b_begin += block) {
     const int64_t b_end = std::min(o_end, b_begin + block);
-    for (int64_t m = 0; m < rows; m += 4) {
-      RowGroups(x + m * in, w, y + m * out, std::min<int64_t>(rows - m, 4), in, out,
-                b_begin, b_end);
+    for (int64_t m = 0; m < rows; m += group) {
+      RowGroups(x + m * in, w, y + m * out, std::min(rows - m, group), in, out, b_begin,
+                b_end);
     }
   }
 }
@@ -159,8 +148,7 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   work->in = x_dims[1];
   work->out = w_dims[0];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // A multiple of 12 output rows, every tile's width.
-  work->chunk = (work->out / (threads * kChunksPerThread) / 12 + 1) * 12;
+  work->chunk = (work->out + threads * kChunksPerThread - 1) / (threads * kChunksPerThread);
   work->num_chunks = (work->out + work->chunk - 1) / work->chunk;
   const int64_t helpers = std::min(threads, work->num_chunks) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
