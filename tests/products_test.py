@@ -35,7 +35,7 @@ def test_matmul_oi_equals_the_contraction(lead, few_row_form):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,few", [(1, True), (2, True), (5, True), (32, True),
+@pytest.mark.parametrize("rows,few", [(0, False), (1, True), (2, True), (5, True), (32, True),
                                       (33, False), (40, False)])
 def test_few_rows_take_the_kernel_or_the_fused_form_on_cpu(rows, few, few_row_form):
   x = jnp.ones((rows, 8), jnp.float32)

@@ -45,7 +45,7 @@ FORCE_FORM: str | None = None
 def product_form(num_rows: int, dtype) -> str:
   """The form `matmul_oi` takes for `num_rows` rows of `dtype` (decided at trace time)."""
   on_cpu_f32 = jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
-  few = on_cpu_f32 and num_rows <= MAX_FEW_ROWS
+  few = on_cpu_f32 and 1 <= num_rows <= MAX_FEW_ROWS
   kernel = few and jax.device_count() == 1 and cpu_kernels.available()
   fused = few and num_rows >= MIN_FUSED_ROWS
   if FORCE_FORM is not None:

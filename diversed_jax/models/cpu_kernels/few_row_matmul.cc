@@ -89,6 +89,10 @@ void RowGroups(const float* x, const float* w, float* y, int64_t rows, int64_t i
 // slower than 2 + 2 rows over cached weight blocks).
 constexpr int64_t kRowBytesPerPass = 16384;
 
+// Weights per block when more rows than one group share them: 64 KB, so later groups read
+// the block from L2.
+constexpr int64_t kBlockFloats = 16384;
+
 // All `rows` rows of x against output rows [o_begin, o_end). Rows whose x fits in
 // kRowBytesPerPass (at most 4): one pass. More: blocks of ~64 KB of weights, each multiplied
 // by every group of rows before the next, so groups after the first read it from cache.
@@ -99,7 +103,7 @@ void Chunk(const float* x, const float* w, float* y, int64_t rows, int64_t in, i
     RowGroups(x, w, y, rows, in, out, o_begin, o_end);
     return;
   }
-  const int64_t block = std::max<int64_t>(1, int64_t{16384} / in);
+  const int64_t block = std::max<int64_t>(1, kBlockFloats / in);
   for (int64_t b_begin = o_begin; b_begin < o_end; b_begin += block) {
     const int64_t b_end = std::min(o_end, b_begin + block);
     for (int64_t m = 0; m < rows; m += group) {
