@@ -75,3 +75,55 @@ def test_kernel_gradients_and_vmap_match_the_plain_product():
 def test_switched_off_by_the_environment(monkeypatch):
   monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
   assert not cpu_kernels.available()
+
+
+def _attention_float64(q, k, v, positions, scale):
+  """softmax(scale q.k) v over slots s <= position, per kv head and its query group."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  out = np.zeros(q.shape)
+  for b, t in np.ndindex(*positions.shape):
+    visible = min(positions[b, t] + 1, k.shape[1])
+    for j in range(q.shape[2]):
+      scores = scale * q[b, t, j] @ k[b, :visible, j].T  # [G, visible]
+      probs = np.exp(scores - scores.max(-1, keepdims=True))
+      out[b, t, j] = (probs / probs.sum(-1, keepdims=True)) @ v[b, :visible, j]
+  return out
+
+
+_attention = jax.jit(cpu_kernels.few_query_attention, static_argnums=4)
+
+
+# (B, T, Hkv, G, Dh, S): the embedded model's decoding and verification shapes, slots that
+# are not a multiple of 8 (a last block read past the cache's end), Dh of one 8-float
+# vector and of more than 8 (values in two slices), one query head per kv head.
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1, 3, 3, 64, 512), (2, 4, 3, 3, 64, 37),
+                                   (1, 3, 2, 4, 16, 9), (3, 2, 1, 1, 8, 100),
+                                   (8, 2, 3, 3, 64, 640), (1, 2, 2, 2, 128, 20)])
+def test_attention_kernel_equals_the_float64_reference(shape):
+  b, t, hkv, g, dh, s = shape
+  rng = np.random.default_rng(s)
+  q, k, v = _random(rng, b, t, hkv, g, dh), _random(rng, b, s, hkv, dh), _random(rng, b, s, hkv, dh)
+  # Every visibility: the first slot only, a partial last block, past the cache's end.
+  positions = rng.integers(0, s + 3, (b, t)).astype(np.int32)
+  positions[0, 0] = 0
+  positions[-1, -1] = s - 1
+  got = _attention(q, k, v, positions, 0.125)
+  assert got.shape == q.shape and got.dtype == jnp.float32
+  # Probabilities sum to 1 and values are O(1): errors are a few float32 ulps of O(1).
+  np.testing.assert_allclose(got, _attention_float64(q, k, v, positions, 0.125), rtol=0,
+                             atol=2e-6)
+
+
+@needs_kernel
+def test_a_querys_attention_does_not_depend_on_its_companions():
+  # What makes a token's attention the same decoded alone or verified among drafts, and a
+  # row's the same in a batch of 1 or 8.
+  rng = np.random.default_rng(3)
+  q, k, v = _random(rng, 4, 5, 3, 3, 64), _random(rng, 4, 300, 3, 64), _random(rng, 4, 300, 3, 64)
+  positions = np.asarray(rng.integers(50, 300, (4, 5)), np.int32)
+  together = np.asarray(_attention(q, k, v, positions, 0.125))
+  for rows, tokens in [(slice(0, 1), slice(0, 1)), (slice(2, 3), slice(1, 4)),
+                       (slice(1, 4), slice(4, 5)), (slice(3, 4), slice(0, 5))]:
+    alone = _attention(q[rows, tokens], k[rows], v[rows], positions[rows, tokens], 0.125)
+    np.testing.assert_array_equal(np.asarray(alone), together[rows, tokens])

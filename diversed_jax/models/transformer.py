@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diversed_jax.models import products
+from diversed_jax.models import attention, products
 from diversed_jax.models.config import ModelConfig, rope_frequencies
 from diversed_jax.models.kv_cache import KVCache
 
@@ -102,62 +102,6 @@ def _project_qkv(config, lp, x_btd, positions_bt, inv_freq):
   return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
 
 
-# Up to this many query rows (T * H) per sequence, attention uses `_scores_values_flat`:
-# decoding and verifying up to 3 drafts with H = 9 (T = 4: 61 against 82 ms per
-# verification at 640 slots). Beyond it the wasted factor Hkv of compute outweighs the
-# copies saved (T = 5 with H = 9 is no faster flat).
-_FLAT_ATTENTION_ROWS = 36
-
-
-def _scores_values_flat(q_btkgd, k_cache_bshd, v_cache_bshd, probs_fn):
-  """Attention for a few queries that reads the cache in its stored [B, S, Hkv, Dh] layout:
-  every query head is scored against every kv head in one batched matmul per row and the
-  matching head is kept. It wastes a factor Hkv of a small product but avoids the
-  per-layer transposed copies of the cache that the grouped einsum costs XLA:CPU (1.3-2x
-  faster attention when decoding). The cache is the matmul's left operand: XLA:CPU runs
-  [S*Hkv, Dh] x [Dh, few] twice as fast as the transposed product."""
-  b, t, hkv, g, dh = q_btkgd.shape
-  s = k_cache_bshd.shape[1]
-  same_head_jk = jnp.eye(hkv, dtype=bool)
-  scores = jnp.einsum("bmd,bnd->bmn", k_cache_bshd.reshape(b, s * hkv, dh),
-                      q_btkgd.reshape(b, t * hkv * g, dh), preferred_element_type=jnp.float32)
-  scores = scores.reshape(b, s, hkv, t, hkv, g)  # [b, s, j (key head), t, k (query group), g]
-  scores_bstkg = jnp.sum(jnp.where(same_head_jk[:, None, :, None], scores, 0.0), axis=2)
-  probs_btkgs = probs_fn(jnp.transpose(scores_bstkg, (0, 2, 3, 4, 1)))
-  out = jnp.einsum("bns,bsm->bnm", probs_btkgs.astype(v_cache_bshd.dtype).reshape(b, -1, s),
-                   v_cache_bshd.reshape(b, s, hkv * dh))
-  out = out.reshape(b, t, hkv, g, hkv, dh)
-  return jnp.sum(jnp.where(same_head_jk[:, None, :, None], out, 0.0), axis=-2)
-
-
-def _attend(config, q_bthd, k_cache_bshd, v_cache_bshd, positions_bt, sliding):
-  """Grouped-query attention of new queries over one layer's cache; [B, T, H*Dh]."""
-  b, t, h, dh = q_bthd.shape
-  hkv = config.num_kv_heads
-  s = k_cache_bshd.shape[1]
-  q = q_bthd.reshape(b, t, hkv, h // hkv, dh)
-  slots = jnp.arange(s)
-  visible_bts = slots[None, None, :] <= positions_bt[:, :, None]
-  if config.sliding_window is not None:
-    in_window = slots[None, None, :] > positions_bt[:, :, None] - config.sliding_window
-    visible_bts = visible_bts & (in_window | ~sliding)
-
-  def probs(scores, visible):
-    scores = scores.astype(jnp.float32) * config.scale
-    if config.attn_logit_softcap is not None:
-      scores = jnp.tanh(scores / config.attn_logit_softcap) * config.attn_logit_softcap
-    return jax.nn.softmax(jnp.where(visible, scores, -1e30), axis=-1)
-
-  if t * h <= _FLAT_ATTENTION_ROWS:
-    out = _scores_values_flat(
-        q, k_cache_bshd, v_cache_bshd, lambda x: probs(x, visible_bts[:, :, None, None]))
-    return out.reshape(b, t, h * dh)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache_bshd,
-                      preferred_element_type=jnp.float32)
-  p = probs(scores, visible_bts[:, None, None]).astype(v_cache_bshd.dtype)
-  return jnp.einsum("bkgts,bskd->btkgd", p, v_cache_bshd).reshape(b, t, h * dh)
-
-
 def _write_layer(cache, index, positions_bt, new_bthd):
   """Writes new keys or values at each row's own offset, in place: into a per-layer
   buffer [B, S, Hkv, Dh] (index None) or into slice `index` of a stacked cache, which is a
@@ -181,7 +125,7 @@ def _layer(config, lp, carry, positions_bt, inv_freq, sliding, index):
   q, k, v = _project_qkv(config, lp, h, positions_bt, inv_freq)
   k_all = _write_layer(k_all, index, positions_bt, k)
   v_all = _write_layer(v_all, index, positions_bt, v)
-  attn = _attend(config, q, _read_layer(k_all, index), _read_layer(v_all, index),
+  attn = attention.attend(config, q, _read_layer(k_all, index), _read_layer(v_all, index),
                  positions_bt, sliding)
   attn = _dense(attn, lp, "o")
   if config.sandwich_norm:

@@ -1,11 +1,14 @@
 """Hand-written XLA:CPU kernels, compiled on first use and registered as FFI targets.
 
-`few_row_matmul(x, w_oi)` is the one kernel: `x [rows, in] @ w_oi.T` for a few rows, reading
-each weight row once for all rows (see `few_row_matmul.cc` for why XLA's own products are
-slower there). The C++ source ships with the package and is compiled with the system's C++
-compiler into a per-user cache the first time it is asked for (a few seconds, once per
-source version). Where that is impossible (no compiler, no AVX2/FMA, another platform),
-`available()` is False and callers keep XLA's products; set DIVERSED_JAX_CPU_KERNELS=0 to
+- `few_row_matmul(x, w_oi)`: `x [rows, in] @ w_oi.T` for a few rows, reading each weight
+  row once for all rows (see `few_row_matmul.cc` for why XLA's own products are slower).
+- `few_query_attention(q, k, v, positions, scale)`: grouped-query attention of a few new
+  tokens over a KV cache in its stored layout (see `few_query_attention.cc`).
+
+The C++ sources ship with the package and are compiled with the system's C++ compiler into
+one library in a per-user cache the first time a kernel is asked for (a few seconds, once
+per source version). Where that is impossible (no compiler, no AVX2/FMA, another platform),
+`available()` is False and callers keep XLA's own ops; set DIVERSED_JAX_CPU_KERNELS=0 to
 choose that path on purpose.
 """
 
@@ -23,10 +26,13 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 
-_SOURCE = pathlib.Path(__file__).with_name("few_row_matmul.cc")
-_TARGET_NAME = "diversed_jax_few_row_matmul"
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name)
+                 for name in ("few_row_matmul.cc", "few_query_attention.cc"))
+_MATMUL_TARGET = "diversed_jax_few_row_matmul"
+_ATTENTION_TARGET = "diversed_jax_few_query_attention"
 _FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fPIC", "-shared")
 ENV_SWITCH = "DIVERSED_JAX_CPU_KERNELS"
 
@@ -39,17 +45,19 @@ def _cache_dir() -> pathlib.Path:
 def _compile(compiler: str) -> pathlib.Path:
   """The shared library for this source, jax, compiler and flag set (built once, then
   reused)."""
-  key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), jax.__version__.encode(),
-                                    compiler.encode(), " ".join(_FLAGS).encode()]))
-  library = _cache_dir() / f"few_row_matmul-{key.hexdigest()[:16]}.so"
+  key = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in _SOURCES),
+                                    jax.__version__.encode(), compiler.encode(),
+                                    " ".join(_FLAGS).encode()]))
+  library = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
   if library.exists():
     return library
-  logging.info("cpu_kernels: compiling the few-row kernel into %s (once)", library)
+  logging.info("cpu_kernels: compiling the kernels into %s (once)", library)
   library.parent.mkdir(parents=True, exist_ok=True)
   # Build beside the target and rename: concurrent first uses never load a partial file.
   with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
     built = pathlib.Path(tmp) / library.name
-    command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(built)]
+    command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o",
+               str(built)]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
       raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
@@ -58,7 +66,7 @@ def _compile(compiler: str) -> pathlib.Path:
 
 
 def available() -> bool:
-  """Whether `few_row_matmul` can run here (compiled, loaded and registered on first call).
+  """Whether the kernels can run here (compiled, loaded and registered on first call).
 
   Read when a caller is traced: set DIVERSED_JAX_CPU_KERNELS before the first compilation.
   """
@@ -71,25 +79,27 @@ def _built() -> bool:
     return False
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if compiler is None:
-    logging.warning("cpu_kernels: no C++ compiler found; XLA's few-row products are used.")
+    logging.warning("cpu_kernels: no C++ compiler found; XLA's own ops are used.")
     return False
   try:
     library = ctypes.cdll.LoadLibrary(str(_compile(compiler)))
   except (OSError, RuntimeError) as error:
-    logging.warning("cpu_kernels: could not build the few-row kernel (%s); XLA's few-row "
-                    "products are used.", error)
+    logging.warning("cpu_kernels: could not build the kernels (%s); XLA's own ops are used.",
+                    error)
     return False
   if not library.FewRowMatmulSupported():
     return False
-  jax.ffi.register_ffi_target(_TARGET_NAME, jax.ffi.pycapsule(library.FewRowMatmulHandler),
+  jax.ffi.register_ffi_target(_MATMUL_TARGET, jax.ffi.pycapsule(library.FewRowMatmulHandler),
                               platform="cpu")
+  jax.ffi.register_ffi_target(_ATTENTION_TARGET,
+                              jax.ffi.pycapsule(library.FewQueryAttentionHandler), platform="cpu")
   return True
 
 
 def _call(x_mi: jax.Array, w_oi: jax.Array) -> jax.Array:
   out = jax.ShapeDtypeStruct((x_mi.shape[0], w_oi.shape[0]), jnp.float32)
   # "sequential": under vmap each mapped slice is its own call (correct for any in_axes).
-  return jax.ffi.ffi_call(_TARGET_NAME, out, vmap_method="sequential")(x_mi, w_oi)
+  return jax.ffi.ffi_call(_MATMUL_TARGET, out, vmap_method="sequential")(x_mi, w_oi)
 
 
 @jax.custom_vjp
@@ -112,3 +122,17 @@ def _backward(residuals, dy_mo):
 
 
 few_row_matmul.defvjp(_forward, _backward)
+
+
+def few_query_attention(q_btkgd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
+                        positions_bt: jax.Array, scale: float) -> jax.Array:
+  """softmax(scale * q . k) v over the slots s <= positions_bt[b, t], per kv head k and its
+  G query heads: q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh] float32, positions [B, T]
+  int32 (at least 0); returns [B, T, Hkv, G, Dh] float32. Dh must be a multiple of 8.
+
+  Call only where `available()` is True. Not differentiable (callers that train wrap it,
+  see `transformer`).
+  """
+  out = jax.ShapeDtypeStruct(q_btkgd.shape, jnp.float32)
+  return jax.ffi.ffi_call(_ATTENTION_TARGET, out, vmap_method="sequential")(
+      q_btkgd, k_bskd, v_bskd, positions_bt.astype(jnp.int32), scale=np.float32(scale))

@@ -1,0 +1,81 @@
+"""The forms of `models.attention.attend`: the kernel against XLA's, and when each runs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diversed_jax.models import attention, cpu_kernels
+from diversed_jax.models.config import ModelConfig
+
+from tests.cpu_kernels_test import needs_kernel
+
+
+def _config(**changes) -> ModelConfig:
+  base = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+                     num_heads=6, num_kv_heads=2, head_dim=16)
+  return dataclasses.replace(base, **changes)
+
+
+def _inputs(seed, b=2, t=3, s=40, config=None):
+  config = config or _config()
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, t, config.num_heads, config.head_dim)), jnp.float32)
+  kv = rng.standard_normal((2, b, s, config.num_kv_heads, config.head_dim))
+  positions = jnp.asarray(rng.integers(0, s, (b, t)), jnp.int32)
+  return q, jnp.asarray(kv[0], jnp.float32), jnp.asarray(kv[1], jnp.float32), positions
+
+
+def _attend(config, *inputs, use_kernel=True):
+  previous, attention.USE_KERNEL = attention.USE_KERNEL, use_kernel
+  try:
+    return jax.jit(lambda *a: attention.attend(config, *a, sliding=False))(*inputs)
+  finally:
+    attention.USE_KERNEL = previous
+
+
+@needs_kernel
+@pytest.mark.parametrize("t", [1, 3, 16])  # XLA's flat form for 1 and 3 tokens, grouped for 16
+def test_kernel_form_matches_xlas_forms(t):
+  config = _config()
+  inputs = _inputs(t, t=t)
+  assert attention.attention_form(config, t, jnp.float32) == "kernel"
+  np.testing.assert_allclose(_attend(config, *inputs), _attend(config, *inputs, use_kernel=False),
+                             rtol=0, atol=2e-6)
+
+
+def test_form_choice(monkeypatch):
+  config = _config()
+  kernel = "kernel" if cpu_kernels.available() else "flat"
+  assert attention.attention_form(config, 1, jnp.float32) == kernel
+  assert attention.attention_form(config, attention.KERNEL_MAX_TOKENS + 1, jnp.float32) == "grouped"
+  # XLA's forms where the kernel does not apply: another dtype, a sliding window, soft-capping,
+  # a head dim that is not a multiple of 8.
+  assert attention.attention_form(config, 1, jnp.bfloat16) == "flat"
+  assert attention.attention_form(_config(sliding_window=8), 1, jnp.float32) == "flat"
+  assert attention.attention_form(_config(attn_logit_softcap=5.0), 1, jnp.float32) == "flat"
+  assert attention.attention_form(_config(head_dim=12), 1, jnp.float32) == "flat"
+  monkeypatch.setattr(attention, "USE_KERNEL", False)
+  assert attention.attention_form(config, 6, jnp.float32) == "flat"  # 36 query rows
+  assert attention.attention_form(config, 7, jnp.float32) == "grouped"  # 42
+
+
+@needs_kernel
+def test_kernel_form_is_differentiable():
+  config = _config()
+  q, k, v, positions = _inputs(5)
+
+  def loss(use_kernel):
+    def f(q, k, v):
+      previous, attention.USE_KERNEL = attention.USE_KERNEL, use_kernel
+      try:
+        return jnp.sum(jnp.sin(attention.attend(config, q, k, v, positions, sliding=False)))
+      finally:
+        attention.USE_KERNEL = previous
+    return f
+
+  for got, want in zip(jax.grad(loss(True), (0, 1, 2))(q, k, v),
+                       jax.grad(loss(False), (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
