@@ -47,7 +47,7 @@ def test_kernel_equals_the_float64_contraction(rows, size_in, size_out):
 
 
 @needs_kernel
-@pytest.mark.parametrize("size_in", [576, 1536, 4100])  # rows grouped by 4, 2 and 1
+@pytest.mark.parametrize("size_in", [576, 1536, 4100, 45])  # rows grouped by 4, 2, 1; tails
 def test_a_rows_result_does_not_depend_on_its_companions(size_in):
   # What makes one row's logits the same whether 1 or K + 1 tokens are verified with it.
   rng = np.random.default_rng(1)

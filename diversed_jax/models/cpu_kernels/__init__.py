@@ -33,7 +33,9 @@ _SOURCES = tuple(pathlib.Path(__file__).with_name(name)
                  for name in ("few_row_matmul.cc", "few_query_attention.cc"))
 _MATMUL_TARGET = "diversed_jax_few_row_matmul"
 _ATTENTION_TARGET = "diversed_jax_few_query_attention"
-_FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-fPIC", "-shared")
+# No FMA contraction of the scalar tails: their rounding must not depend on the compiler's
+# choices in each kernel path.
+_FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
 ENV_SWITCH = "DIVERSED_JAX_CPU_KERNELS"
 
 
