@@ -99,7 +99,8 @@ _attention = jax.jit(cpu_kernels.few_query_attention, static_argnums=4)
 @needs_kernel
 @pytest.mark.parametrize("shape", [(1, 1, 3, 3, 64, 512), (2, 4, 3, 3, 64, 37),
                                    (1, 3, 2, 4, 16, 9), (3, 2, 1, 1, 8, 100),
-                                   (8, 2, 3, 3, 64, 640), (1, 2, 2, 2, 128, 20)])
+                                   (8, 2, 3, 3, 64, 640), (1, 2, 2, 2, 128, 20),
+                                   (2, 64, 3, 3, 64, 100)])  # a prefill chunk
 def test_attention_kernel_equals_the_float64_reference(shape):
   b, t, hkv, g, dh, s = shape
   rng = np.random.default_rng(s)

@@ -35,14 +35,14 @@ def test_matmul_oi_equals_the_contraction(lead, few_row_form):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,few", [(0, False), (1, True), (2, True), (5, True), (32, True),
-                                      (33, False), (40, False)])
-def test_few_rows_take_the_kernel_or_the_fused_form_on_cpu(rows, few, few_row_form):
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 32, 33, 40, 64, 65])
+def test_few_rows_take_the_kernel_or_the_fused_form_on_cpu(rows, few_row_form):
   x = jnp.ones((rows, 8), jnp.float32)
   w_oi = jnp.ones((6, 8), jnp.float32)
   prims = _primitives(products.matmul_oi, x, w_oi)
-  # One row takes the kernel (as fast as XLA's GEMV) but has no fused form.
-  has_form = few and (rows >= products.MIN_FUSED_ROWS or few_row_form == "kernel")
+  # The kernel takes 1-64 rows (one row as fast as XLA's GEMV, a 64-token prefill pass
+  # faster than XLA's GEMM); the fused form 2-32.
+  has_form = {"kernel": 1 <= rows <= 64, "fused": 2 <= rows <= 32}[few_row_form]
   form = few_row_form if has_form else "dot"
   assert products.product_form(rows, jnp.float32) == form
   assert ("dot_general" in prims) == (form == "dot"), prims

@@ -2,12 +2,12 @@
 fastest where it runs.
 
 - "kernel": `cpu_kernels.few_query_attention`, for up to KERNEL_MAX_TOKENS new tokens per
-  sequence (decoding, drafting, verifying) on a single CPU device, float32, without a
+  sequence (decoding, drafting, verifying, prefill chunks) on a single CPU device, float32, without a
   sliding window or logit soft-capping. It reads each head's visible slots in place and
   computes every query in a fixed order, so a token's attention is bitwise the same
   whether it is decoded alone or verified among drafts.
 - "flat": `_scores_values_flat`, XLA's form for a few query rows elsewhere.
-- "grouped": the grouped einsum, for prefill chunks and longer verifications.
+- "grouped": the grouped einsum, for longer passes.
 
 Shape legend: B batch, T new tokens, S cache slots, H query heads, Hkv kv heads, G = H /
 Hkv query heads per kv head, Dh head dim.
@@ -23,9 +23,11 @@ import jax.numpy as jnp
 from diversed_jax.models import cpu_kernels
 from diversed_jax.models.config import ModelConfig
 
-# New tokens per sequence up to which the kernel runs (when it applies): verifying up to 15
-# drafts. Prefill chunks (64 tokens) are GEMM-shaped and stay with XLA.
-KERNEL_MAX_TOKENS = 16
+# New tokens per sequence up to which the kernel runs (when it applies): every verification
+# and the prefill's 64-token chunks (`loop.PREFILL_CHUNK`), where XLA's grouped einsum
+# spends as long on transposed copies and masks as on the products (a [8, 64] pass: 974
+# against 1,142 ms). Longer passes (training windows) keep XLA's grouped form.
+KERNEL_MAX_TOKENS = 64
 
 # Up to this many query rows (T * H) per sequence, XLA's forms use `_scores_values_flat`:
 # decoding and verifying up to 3 drafts with H = 9 (T = 4: 61 against 82 ms per
