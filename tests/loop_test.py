@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diversed_jax.models import ModelConfig, init_params, transformer
+from diversed_jax.models import ModelConfig, cpu_kernels, init_params, transformer
 from diversed_jax.speculative import decoder as decoder_lib
 from diversed_jax.speculative import drafts, loop
 from diversed_jax.speculative.types import VerifyParams
@@ -299,10 +299,13 @@ def test_compiles_once_per_prompt_bucket(pair):
 
 
 @pytest.mark.parametrize("precision", ["highest", "default"])
-def test_matmul_precision_reaches_the_compiled_loop(pair, precision):
+def test_matmul_precision_reaches_the_compiled_loop(pair, precision, monkeypatch):
   """The decoder's precision is in its compiled program's products (what keeps a GPU's
   verification from rounding in TF32 while a one-token step does not): "highest" marks
-  every XLA product, "default" none."""
+  every XLA product, "default" none. With the CPU kernels off, as on a GPU: on CPU they
+  take every product and attention of this tiny model."""
+  monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+  jax.clear_caches()  # the forms are chosen at trace time
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params, matmul_precision=precision)
   dec.generate([[1, 2, 3]], VerifyParams(method="sd", temperature=0.0), num_draft=2,
