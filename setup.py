@@ -7,7 +7,8 @@ setup(
     version="0.1.0",
     description="Relaxed speculative decoding with learned ensemble verification (DIVERSED) in JAX",
     packages=find_packages(include=["diversed_jax", "diversed_jax.*"]),
-    package_data={"diversed_jax": ["data/**/*", "assets/**/*", "models/cpu_kernels/*.cc"]},
+    package_data={"diversed_jax": ["data/**/*", "assets/**/*", "models/cpu_kernels/*.cc",
+                                   "models/cpu_kernels/*.h"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[

@@ -31,6 +31,7 @@ from absl import logging
 
 _SOURCES = tuple(pathlib.Path(__file__).with_name(name)
                  for name in ("few_row_matmul.cc", "few_query_attention.cc"))
+_HEADERS = (pathlib.Path(__file__).with_name("parallel_chunks.h"),)
 _MATMUL_TARGET = "diversed_jax_few_row_matmul"
 _ATTENTION_TARGET = "diversed_jax_few_query_attention"
 # No FMA contraction of the scalar tails: their rounding must not depend on the compiler's
@@ -47,7 +48,7 @@ def _cache_dir() -> pathlib.Path:
 def _compile(compiler: str) -> pathlib.Path:
   """The shared library for this source, jax, compiler and flag set (built once, then
   reused)."""
-  key = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in _SOURCES),
+  key = hashlib.sha256(b"\0".join([*(path.read_bytes() for path in _SOURCES + _HEADERS),
                                     jax.__version__.encode(), compiler.encode(),
                                     " ".join(_FLAGS).encode()]))
   library = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"

@@ -20,25 +20,18 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-inline float LaneSum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+using diversed_jax::LaneSum;
 
 inline float LaneMax(__m256 v) {
   __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -161,38 +154,6 @@ void Unit(const Shape& d, const float* q, const float* k, const float* v, int32_
   }
 }
 
-// Units (b, t, j) are claimed in chunks by the calling thread and the pool's tasks, as in
-// few_row_matmul.cc; a unit's result does not depend on which thread runs it.
-struct Work {
-  Shape shape;
-  const float *q, *k, *v;
-  const int32_t* positions;
-  float scale;
-  float* out;
-  int64_t num_units, chunk, num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Drain() {
-    const Shape& d = shape;
-    std::vector<float> scratch, zeros;  // allocated once a chunk is claimed
-    for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
-      if (scratch.empty()) {
-        scratch.resize(d.group * ((d.slots + 7) / 8 * 8));
-        zeros.resize(d.head_dim, 0.0f);
-      }
-      for (int64_t u = c * chunk; u < std::min(num_units, (c + 1) * chunk); ++u) {
-        const int64_t j = u % d.kv_heads, bt = u / d.kv_heads, b = bt / d.tokens;
-        const int64_t qo = (bt * d.kv_heads + j) * d.group * d.head_dim;
-        const int64_t ko = b * d.slots * d.kv_heads * d.head_dim + j * d.head_dim;
-        Unit(d, q + qo, k + ko, v + ko, positions[bt], scale, out + qo, scratch.data(),
-             zeros.data());
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                              ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                              ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
@@ -207,28 +168,29 @@ ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         "few_query_attention: expected q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh], "
         "positions [B, T], Dh a multiple of 8");
   }
-  auto work = std::make_shared<Work>();
-  work->shape = {qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
-  work->q = q.typed_data();
-  work->k = k.typed_data();
-  work->v = v.typed_data();
-  work->positions = positions.typed_data();
-  work->scale = scale;
-  work->out = out->typed_data();
-  work->num_units = qd[0] * qd[1] * qd[2];
+  const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
+  const float* q_data = q.typed_data();
+  const float* k_data = k.typed_data();
+  const float* v_data = v.typed_data();
+  const int32_t* pos_data = positions.typed_data();
+  float* out_data = out->typed_data();
+  // Units (b, t, j) in chunks, a few per thread; a unit's result does not depend on
+  // which thread runs it.
+  const int64_t num_units = d.batch * d.tokens * d.kv_heads;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->chunk = std::max<int64_t>(1, work->num_units / (threads * 4));
-  work->num_chunks = (work->num_units + work->chunk - 1) / work->chunk;
-  const int64_t helpers = std::min(threads, work->num_chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->num_chunks;) {
-    if (++spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
+  const int64_t chunk = std::max<int64_t>(1, num_units / (threads * 4));
+  diversed_jax::ParallelChunks(pool, (num_units + chunk - 1) / chunk, [=](int64_t c) {
+    thread_local std::vector<float> scratch, zeros;
+    scratch.resize(std::max<size_t>(scratch.size(), d.group * ((d.slots + 7) / 8 * 8)));
+    zeros.resize(std::max<size_t>(zeros.size(), d.head_dim), 0.0f);
+    for (int64_t u = c * chunk; u < std::min(num_units, (c + 1) * chunk); ++u) {
+      const int64_t j = u % d.kv_heads, bt = u / d.kv_heads, b = bt / d.tokens;
+      const int64_t qo = (bt * d.kv_heads + j) * d.group * d.head_dim;
+      const int64_t ko = b * d.slots * d.kv_heads * d.head_dim + j * d.head_dim;
+      Unit(d, q_data + qo, k_data + ko, v_data + ko, pos_data[bt], scale, out_data + qo,
+           scratch.data(), zeros.data());
     }
-  }
+  });
   return ffi::Error::Success();
 }
 

@@ -17,25 +17,16 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
+#include "parallel_chunks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-inline float LaneSum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);                   // lanes (0+4, 1+5, 2+6, 3+7)
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));  // (0+4+2+6, 1+5+3+7)
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+using diversed_jax::LaneSum;
 
 // ROWS rows of x against weight rows [o_begin, o_end), one weight row after the other: each
 // thread's weights stream forward through memory in one sequence, the hardware prefetcher's
@@ -221,29 +212,10 @@ void Chunk(const float* x, const float* w, float* y, int64_t rows, int64_t in, i
   }
 }
 
-// Work shared by the calling thread and the pool's tasks: contiguous chunks of output rows
-// (a few per thread; contiguous, so each thread's weight stream stays sequential for the
-// hardware prefetcher, which interleaved small blocks defeat: 1.3x slower) are claimed
-// from `next`; the caller returns once `done` counts every chunk. Tasks that start after
-// all chunks are claimed touch only this state, which they co-own.
-struct Work {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t rows, in, out, chunk, num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Drain() {
-    for (int64_t c; (c = next.fetch_add(1)) < num_chunks;) {
-      const int64_t o_begin = c * chunk;
-      Chunk(x, w, y, rows, in, out, o_begin, std::min(out, o_begin + chunk));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-constexpr int64_t kChunksPerThread = 4;  // lets a thread that starts late take a share
+// Contiguous chunks of output rows, a few per thread (contiguous, so each thread's weight
+// stream stays sequential for the hardware prefetcher, which interleaved small blocks
+// defeat: 1.3x slower; a few, so a thread that starts late can take a share).
+constexpr int64_t kChunksPerThread = 4;
 
 ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
@@ -252,27 +224,15 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1] || x_dims[1] == 0) {
     return ffi::Error::InvalidArgument("few_row_matmul: expected x [rows, in], w [out, in]");
   }
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->rows = x_dims[0];
-  work->in = x_dims[1];
-  work->out = w_dims[0];
+  const int64_t rows = x_dims[0], in = x_dims[1], out = w_dims[0];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->chunk = (work->out + threads * kChunksPerThread - 1) / (threads * kChunksPerThread);
-  work->num_chunks = (work->out + work->chunk - 1) / work->chunk;
-  const int64_t helpers = std::min(threads, work->num_chunks) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  // The last chunks are in a helper's hands: a short wait, spinning, then yielding.
-  for (int spins = 0; work->done.load(std::memory_order_acquire) < work->num_chunks;) {
-    if (++spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  const int64_t chunk = (out + threads * kChunksPerThread - 1) / (threads * kChunksPerThread);
+  const float* x_data = x.typed_data();
+  const float* w_data = w.typed_data();
+  float* y_data = y->typed_data();
+  diversed_jax::ParallelChunks(pool, (out + chunk - 1) / chunk, [=](int64_t c) {
+    Chunk(x_data, w_data, y_data, rows, in, out, c * chunk, std::min(out, (c + 1) * chunk));
+  });
   return ffi::Error::Success();
 }
 
