@@ -133,8 +133,8 @@ def few_query_attention(q_btkgd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array
   G query heads: q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh] float32, positions [B, T]
   int32 (at least 0); returns [B, T, Hkv, G, Dh] float32. Dh must be a multiple of 8.
 
-  Call only where `available()` is True. Not differentiable (callers that train wrap it,
-  see `transformer`).
+  Call only where `available()` is True. Not differentiable: `models.attention` wraps it
+  with a gradient through XLA's grouped form.
   """
   out = jax.ShapeDtypeStruct(q_btkgd.shape, jnp.float32)
   return jax.ffi.ffi_call(_ATTENTION_TARGET, out, vmap_method="sequential")(
