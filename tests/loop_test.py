@@ -299,13 +299,14 @@ def test_compiles_once_per_prompt_bucket(pair):
 
 
 @pytest.mark.parametrize("precision", ["highest", "default"])
-def test_matmul_precision_reaches_the_compiled_loop(pair, precision, monkeypatch):
+def test_matmul_precision_reaches_the_compiled_loop(pair, precision, monkeypatch, request):
   """The decoder's precision is in its compiled program's products (what keeps a GPU's
   verification from rounding in TF32 while a one-token step does not): "highest" marks
   every XLA product, "default" none. With the CPU kernels off, as on a GPU: on CPU they
   take every product and attention of this tiny model."""
   monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
   jax.clear_caches()  # the forms are chosen at trace time
+  request.addfinalizer(jax.clear_caches)  # later tests trace with the kernels again
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params, matmul_precision=precision)
   dec.generate([[1, 2, 3]], VerifyParams(method="sd", temperature=0.0), num_draft=2,

@@ -35,8 +35,8 @@ KERNEL_MAX_TOKENS = 64
 # copies saved (T = 5 with H = 9 is no faster flat).
 _FLAT_ATTENTION_ROWS = 36
 
-# Benchmarks set this to False to time XLA's forms (read at trace time; jax.clear_caches()
-# after changing it).
+# Tests set this to False to compare with XLA's forms (read at trace time;
+# jax.clear_caches() after changing it).
 USE_KERNEL = True
 
 
@@ -44,9 +44,7 @@ def attention_form(config: ModelConfig, num_tokens: int, dtype) -> str:
   """"kernel", "flat" or "grouped": the form `attend` takes (decided at trace time)."""
   kernel = (USE_KERNEL and num_tokens <= KERNEL_MAX_TOKENS
             and config.sliding_window is None and config.attn_logit_softcap is None
-            and config.head_dim % 8 == 0 and jnp.dtype(dtype) == jnp.float32
-            and jax.default_backend() == "cpu" and jax.device_count() == 1
-            and cpu_kernels.available())
+            and config.head_dim % 8 == 0 and cpu_kernels.runs_here(dtype))
   if kernel:
     return "kernel"
   return "flat" if num_tokens * config.num_heads <= _FLAT_ATTENTION_ROWS else "grouped"
@@ -97,29 +95,24 @@ def _attend_xla(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt, slidi
   return jnp.einsum("bkgts,bskd->btkgd", p, v_cache_bshd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _kernel_attention(q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt, scale: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_attention(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt):
   return cpu_kernels.few_query_attention(q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt,
-                                         scale)
+                                         float(config.scale))
 
 
-def _kernel_forward(q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt, scale):
-  out = _kernel_attention(q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt, scale)
+def _kernel_forward(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt):
+  out = _kernel_attention(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt)
   return out, (q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt)
 
 
-def _kernel_backward(scale, residuals, d_out):
+def _kernel_backward(config, residuals, d_out):
   # The kernel is for inference; a gradient (rare: few-token training passes) takes XLA's
-  # grouped form, the same function up to float rounding.
+  # grouped form, the same function up to float rounding (the kernel runs only without a
+  # sliding window, so `sliding` does not matter).
   q, k, v, positions_bt = residuals
-
-  def grouped(q, k, v):
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * scale
-    visible = jnp.arange(k.shape[1])[None, None, :] <= positions_bt[:, :, None]
-    p = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -1e30), axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", p, v)
-
-  _, vjp = jax.vjp(grouped, q, k, v)
+  _, vjp = jax.vjp(lambda q, k, v: _attend_xla(config, q, k, v, positions_bt, False,
+                                               "grouped"), q, k, v)
   return (*vjp(d_out), None)
 
 
@@ -134,8 +127,7 @@ def attend(config: ModelConfig, q_bthd, k_cache_bshd, v_cache_bshd, positions_bt
   q_btkgd = q_bthd.reshape(b, t, config.num_kv_heads, h // config.num_kv_heads, dh)
   form = attention_form(config, t, jnp.result_type(q_bthd, k_cache_bshd))
   if form == "kernel":
-    out = _kernel_attention(q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt,
-                            float(config.scale))
+    out = _kernel_attention(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt)
   else:
     out = _attend_xla(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt, sliding, form)
   return out.reshape(b, t, h * dh)

@@ -48,8 +48,7 @@ FORCE_FORM: str | None = None
 def product_form(num_rows: int, dtype) -> str:
   """The form `matmul_oi` takes for `num_rows` rows of `dtype` (decided at trace time)."""
   on_cpu_f32 = jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
-  kernel = (on_cpu_f32 and 1 <= num_rows <= MAX_KERNEL_ROWS and jax.device_count() == 1
-            and cpu_kernels.available())
+  kernel = 1 <= num_rows <= MAX_KERNEL_ROWS and cpu_kernels.runs_here(dtype)
   fused = on_cpu_f32 and MIN_FUSED_ROWS <= num_rows <= MAX_FEW_ROWS
   if FORCE_FORM is not None:
     if FORCE_FORM not in FORMS:

@@ -68,6 +68,14 @@ def _compile(compiler: str) -> pathlib.Path:
   return library
 
 
+def runs_here(dtype) -> bool:
+  """Whether the kernels serve arrays of `dtype` in the program being traced: float32 on
+  a single CPU device (several devices keep XLA's ops, which its SPMD partitioner can split;
+  it would gather a custom call's operands) where `available()`."""
+  return (jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
+          and jax.device_count() == 1 and available())
+
+
 def available() -> bool:
   """Whether the kernels can run here (compiled, loaded and registered on first call).
 
