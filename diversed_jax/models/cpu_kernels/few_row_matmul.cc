@@ -87,11 +87,11 @@ void RowGroups(const float* x, const float* w, float* y, int64_t rows, int64_t i
 // slower than 2 + 2 rows over cached weight blocks).
 constexpr int64_t kRowBytesPerPass = 16384;
 
-// Weights per block when more rows than one group share them: 64 KB, so later groups read
-// the block from L2.
+// Weights per block when more rows than one group share them in RowGroups: 64 KB, so later
+// groups read the block from L2.
 constexpr int64_t kBlockFloats = 16384;
 
-// Many rows on AVX-512 hosts: tiles of MR rows of x by NR weight rows, one 16-lane
+// Three or more rows on AVX-512 hosts: tiles of MR rows of x by NR weight rows, one 16-lane
 // accumulator per output. Its lanes 0-7 and 8-15 are exactly RowGroup's even and odd
 // accumulators (a 16-float step is an even and an odd 8-float step), so every output has
 // the same bits as in RowGroup. 16 accumulators and 4 weight vectors fit the 32 registers:
@@ -106,9 +106,13 @@ __attribute__((target("avx512f"))) void Tile(const float* x, const float* w, flo
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  // The prefetches spread evenly over the steps: issued in a burst they stall the loads.
+  const int64_t steps = in16 / 16;
+  const int64_t per_step = steps > 0 ? (prefetch_lines + steps - 1) / steps : 0;
   int64_t line = 0;
   for (int64_t i = 0; i < in16; i += 16) {
-    if (line < prefetch_lines) _mm_prefetch(prefetch + 64 * line++, _MM_HINT_T1);
+    for (int64_t end = std::min(prefetch_lines, line + per_step); line < end; ++line)
+      _mm_prefetch(prefetch + 64 * line, _MM_HINT_T1);
     __m512 w_n[NR];
     for (int n = 0; n < NR; ++n) w_n[n] = _mm512_loadu_ps(w + (o0 + n) * in + i);
     for (int m = 0; m < MR; ++m) {
@@ -146,42 +150,41 @@ void TileColumns(const float* x, const float* w, float* y, int64_t in, int64_t o
   }
 }
 
-// All rows of x against output rows [o_begin, o_end) in 4 x 4 tiles, over blocks of
-// ~64 KB of weights: each group of 4 rows of x (in L1) passes over the block (in L2), and
-// the tiles prefetch the next block into L2 as they go (4 interleaved weight rows are a
-// poor stream for the hardware prefetcher: 1.2-1.4x slower without).
+// All rows of x against output rows [o_begin, o_end) in 4 x 4 tiles, one column of 4
+// weight rows at a time: every group of 4 rows of x passes over the column (later groups
+// read it from cache), and the column's tiles prefetch the next column into L2 as they go.
+// (4 interleaved weight rows are a poor stream for the hardware prefetcher: 1.2-1.4x slower
+// without. Prefetching 64 KB blocks ahead instead made 3-4 rows 1.15-1.2x slower.)
 void Tiles(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out,
            int64_t o_begin, int64_t o_end) {
-  const int64_t block = std::max<int64_t>(4, (kBlockFloats / in) & ~int64_t{3});
-  const int64_t tiles_per_block = (block + 3) / 4 * ((rows + 3) / 4);
-  for (int64_t b_begin = o_begin; b_begin < o_end; b_begin += block) {
-    const int64_t b_end = std::min(o_end, b_begin + block);
-    const char* next = reinterpret_cast<const char*>(w + b_end * in);
-    const int64_t next_lines = (std::min(o_end, b_end + block) - b_end) * in * 4 / 64;
-    const int64_t lines = (next_lines + tiles_per_block - 1) / tiles_per_block;
-    int64_t prefetched = 0;
-    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+  const int64_t groups = (rows + 3) / 4;
+  for (int64_t o0 = o_begin; o0 < o_end; o0 += 4) {
+    const int64_t nr = std::min<int64_t>(4, o_end - o0);
+    const char* next = reinterpret_cast<const char*>(w + (o0 + nr) * in);
+    const int64_t next_lines = std::min<int64_t>(4, o_end - o0 - nr) * in * 4 / 64;
+    const int64_t lines_per_group = (next_lines + groups - 1) / groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t m0 = 4 * g;
+      const int64_t first = std::min(next_lines, g * lines_per_group);
+      const int64_t n = std::min(next_lines, first + lines_per_group) - first;
       const float* x_m = x + m0 * in;
       float* y_m = y + m0 * out;
-      for (int64_t o0 = b_begin; o0 < b_end; o0 += 4) {
-        const int64_t nr = std::min<int64_t>(4, b_end - o0);
-        const int64_t n = std::max<int64_t>(0, std::min(lines, next_lines - prefetched));
-        const char* pf = next + 64 * prefetched;
-        prefetched += n;
-        switch (std::min<int64_t>(4, rows - m0)) {
-          case 1: TileColumns<1>(x_m, w, y_m, in, out, o0, nr, pf, n); break;
-          case 2: TileColumns<2>(x_m, w, y_m, in, out, o0, nr, pf, n); break;
-          case 3: TileColumns<3>(x_m, w, y_m, in, out, o0, nr, pf, n); break;
-          default: TileColumns<4>(x_m, w, y_m, in, out, o0, nr, pf, n); break;
-        }
+      const char* pf = next + 64 * first;
+      switch (std::min<int64_t>(4, rows - m0)) {
+        case 1: TileColumns<1>(x_m, w, y_m, in, out, o0, nr, pf, n); break;
+        case 2: TileColumns<2>(x_m, w, y_m, in, out, o0, nr, pf, n); break;
+        case 3: TileColumns<3>(x_m, w, y_m, in, out, o0, nr, pf, n); break;
+        default: TileColumns<4>(x_m, w, y_m, in, out, o0, nr, pf, n); break;
       }
     }
   }
 }
 
-// Rows from which AVX-512 hosts use Tiles (fewer rows are bound by the weights' memory
-// stream, which RowGroup's single forward stream serves best).
-constexpr int64_t kMinTileRows = 5;
+// Rows from which AVX-512 hosts use Tiles. One or two rows are bound by the weights' memory
+// stream, which RowGroup's single forward stream serves best. From three rows RowGroup's
+// load per FMA makes its compute fall behind the stream (3-4 rows took 1.3-1.5x one row's
+// time on a 2-core Zen 4 host, the tiles 1.07-1.1x).
+constexpr int64_t kMinTileRows = 3;
 
 bool HasAvx512() {
   static const bool has = [] {
