@@ -11,7 +11,8 @@ Measures, in one run:
              drafting step (step j > 1 drafts from the draft's own earlier features);
   speed      greedy SD tokens/s vs plain greedy decoding at batch 1 (each prompt alone) and
              batch 8, for each K in --num_draft, end to end, each call's best of --repeats
-             interleaved runs, with the outputs checked identical.
+             interleaved runs, with the outputs checked identical (--shrink_tail: the
+             batch-8 calls drop finished rows, as spec_speed.py does).
 
   python benchmarks/draft_speed.py --compare=FOLDER[,FOLDER...] [--num_prompts=24]
 
@@ -56,6 +57,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "interleaved timing repeats (best 
 _PRECISION = flags.DEFINE_enum("matmul_precision", "highest", MATMUL_PRECISIONS,
                                "float32 product precision off the CPU "
                                "(SpeculativeDecoder's matmul_precision)")
+_SHRINK_TAIL = flags.DEFINE_bool(
+    "shrink_tail", False, "batch 8: once rows finish, continue with the unfinished ones only "
+    "(SpeculativeDecoder's shrink_tail, as spec_speed.py; more compile time, not timed)")
 _COMPARE = flags.DEFINE_list("compare", [], "distilled draft folders to compare with --draft "
                              "on the same teacher-forced tokens (then exit)")
 
@@ -183,7 +187,7 @@ def main(argv):
   draft, draft_params, spec = build.load_draft(_DRAFT.value, target)
   tokenizer = load_tokenizer(_TARGET.value)
   dec = SpeculativeDecoder(ModelHandle(target.config, target.params), draft, draft_params,
-                           matmul_precision=_PRECISION.value)
+                           matmul_precision=_PRECISION.value, shrink_tail=_SHRINK_TAIL.value)
   n = _NUM.value
   gsm = _prompts(tokenizer, "gsm8k", n)
   cnn = _prompts(tokenizer, "cnndm", n)
@@ -201,7 +205,7 @@ def main(argv):
     return
   results = {"draft": spec, "target": target.name, "num_prompts": n,
              "max_new_tokens": _NEW.value, "backend": jax.default_backend(),
-             "matmul_precision": _PRECISION.value}
+             "matmul_precision": _PRECISION.value, "shrink_tail": _SHRINK_TAIL.value}
   results["cost"] = step_cost(dec, _ACCEPT_K.value, _REPEATS.value)
   print(json.dumps(results), flush=True)
   if _ACCEPT.value:
