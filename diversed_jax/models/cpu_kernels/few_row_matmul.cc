@@ -182,8 +182,8 @@ void Tiles(const float* x, const float* w, float* y, int64_t rows, int64_t in, i
 
 // Rows from which AVX-512 hosts use Tiles. One or two rows are bound by the weights' memory
 // stream, which RowGroup's single forward stream serves best. From three rows RowGroup's
-// load per FMA makes its compute fall behind the stream (3-4 rows took 1.3-1.5x one row's
-// time on a 2-core Zen 4 host, the tiles 1.07-1.1x).
+// load per FMA makes its compute fall behind the stream (3-4 rows took 1.3-1.4x one row's
+// time on a 2-core Zen 4 host, the tiles 1.08-1.11x).
 constexpr int64_t kMinTileRows = 3;
 
 bool HasAvx512() {
