@@ -12,7 +12,9 @@ Measures, in one run:
   speed      greedy SD tokens/s vs plain greedy decoding at batch 1 (each prompt alone) and
              batch 8, for each K in --num_draft, end to end, each call's best of --repeats
              interleaved runs, with the outputs checked identical (--shrink_tail: the
-             batch-8 calls drop finished rows, as spec_speed.py does).
+             batch-8 calls drop finished rows, as spec_speed.py does; --per_prompt:
+             each batch-1 prompt's prefill, rounds, and speed-up end to end and in the
+             decoding phase).
 
   python benchmarks/draft_speed.py --compare=FOLDER[,FOLDER...] [--num_prompts=24]
 
@@ -60,6 +62,9 @@ _PRECISION = flags.DEFINE_enum("matmul_precision", "highest", MATMUL_PRECISIONS,
 _SHRINK_TAIL = flags.DEFINE_bool(
     "shrink_tail", False, "batch 8: once rows finish, continue with the unfinished ones only "
     "(SpeculativeDecoder's shrink_tail, as spec_speed.py; more compile time, not timed)")
+_PER_PROMPT = flags.DEFINE_bool(
+    "per_prompt", False, "batch 1: also split each prompt's time into its prefill and "
+    "decoding phase (one more timed call per prompt: a one-token plain call)")
 _COMPARE = flags.DEFINE_list("compare", [], "distilled draft folders to compare with --draft "
                              "on the same teacher-forced tokens (then exit)")
 
@@ -150,25 +155,46 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
                  "positions": positions} for name, s in sums.items()}
 
 
-def greedy_speed(dec, prompts, batch: int, ks, repeats: int) -> list[dict]:
+def greedy_speed(dec, prompts, batch: int, ks, repeats: int,
+                 per_call: list | None = None) -> list[dict]:
   """Plain greedy vs greedy SD with each K in `ks` over `prompts` in batches: tokens/s end
   to end, each call's best of `repeats` interleaved runs (the host's speed drifts), and
-  whether SD's output is identical to plain decoding's."""
+  whether SD's output is identical to plain decoding's.
+
+  `per_call`, a list, receives one row per call (batch of prompts) that splits its time:
+  the prefill (timed as a call generating one token), each method's rounds, and its
+  speed-up end to end and in the decoding phase after the prefill (an SD call's prefill
+  also runs the draft over the prompt, which this split counts as SD's decoding)."""
   from diversed_jax.speculative.types import VerifyParams
   groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
   runs = [("ar", 0)] + [("sd", k) for k in ks]
+  if per_call is not None:
+    runs.append(("ar", -1))  # the prefill: a plain call generating one token
+  call = lambda g, method, k: dec.generate(
+      g, VerifyParams(method=method, temperature=0.0), num_draft=max(k, 0),
+      max_new_tokens=1 if k < 0 else _NEW.value)
   for method, k in runs:  # compile
-    dec.generate(groups[0], VerifyParams(method=method, temperature=0.0), num_draft=k,
-                 max_new_tokens=_NEW.value)
+    call(groups[0], method, k)
   best = {run: np.full(len(groups), np.inf) for run in runs}
-  rows, tokens = {}, {}
+  rows, tokens, rounds = {}, {}, {}
   for _ in range(repeats):
     for method, k in runs:
-      outs = [dec.generate(g, VerifyParams(method=method, temperature=0.0), num_draft=k,
-                           max_new_tokens=_NEW.value) for g in groups]
+      outs = [call(g, method, k) for g in groups]
       best[method, k] = np.minimum(best[method, k], [o.seconds for o in outs])
       rows[method, k] = [r for o in outs for r in o.token_ids]
       tokens[method, k] = sum(o.num_tokens for o in outs)
+      rounds[method, k] = [o.rounds for o in outs]
+  if per_call is not None:
+    prefill = best["ar", -1]
+    decoding_ar = best["ar", 0] - prefill
+    for i, group in enumerate(groups):
+      row = {"batch": batch, "prompt_tokens": [len(p) for p in group],
+             "prefill_s": float(prefill[i]), "ar_s": float(best["ar", 0][i])}
+      for k in ks:
+        row[f"k{k}"] = {"rounds": rounds["sd", k][i],
+                        "end_to_end": float(best["ar", 0][i] / best["sd", k][i]),
+                        "decoding": float(decoding_ar[i] / (best["sd", k][i] - prefill[i]))}
+      per_call.append(row)
   rate = {run: tokens[run] / best[run].sum() for run in runs}
   return [{"batch": batch, "k": k, "ar_tokens_per_s": rate["ar", 0],
            "sd_tokens_per_s": rate["sd", k], "speedup": rate["sd", k] / rate["ar", 0],
@@ -216,9 +242,14 @@ def main(argv):
   ks = list(map(int, _KS.value))
   # Each comparison's rows are printed as they finish: a long run keeps what it measured.
   if _SPEED.value and not _SKIP_B1.value:
-    results["greedy_batch1"] = greedy_speed(dec, mixed, 1, ks, _REPEATS.value)
+    per_prompt = [] if _PER_PROMPT.value else None
+    results["greedy_batch1"] = greedy_speed(dec, mixed, 1, ks, _REPEATS.value, per_prompt)
     for row in results["greedy_batch1"]:
       print(json.dumps(row), flush=True)
+    if per_prompt is not None:
+      results["greedy_batch1_per_prompt"] = per_prompt
+      for row in per_prompt:
+        print(json.dumps(row), flush=True)
   if _SPEED.value and not _SKIP_B8.value:
     results["greedy_batch8"] = greedy_speed(dec, gsm[:8], 8, ks, _REPEATS.value)
     for row in results["greedy_batch8"]:
