@@ -5,7 +5,8 @@
 Measures, in one run:
   cost       draft step / target decoding step, batch 1, one token, in the decoder's
              layouts with donated caches (diversed_jax.speculative.step_costs: each
-             call's median sample), best of --repeats; also r, the verify/decode cost ratio at K = --accept_k;
+             call's median sample), best of --repeats; also r, the verify/decode cost
+             ratio at K = --accept_k;
   accept     exact SD at temperature 1: mean beta = sum_x min(p, q) over drafted positions
              (GSM8K-test and CNN/DM-test prompts, zero-shot task prompts), and per
              drafting step (step j > 1 drafts from the draft's own earlier features);
@@ -169,10 +170,14 @@ def greedy_speed(dec, prompts, batch: int, ks, repeats: int,
   groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
   runs = [("ar", 0)] + [("sd", k) for k in ks]
   if per_call is not None:
-    runs.append(("ar", -1))  # the prefill: a plain call generating one token
-  call = lambda g, method, k: dec.generate(
-      g, VerifyParams(method=method, temperature=0.0), num_draft=max(k, 0),
-      max_new_tokens=1 if k < 0 else _NEW.value)
+    runs.append(("prefill", 0))  # a plain call generating one token
+
+  def call(group, method, k):
+    prefill = method == "prefill"
+    return dec.generate(group, VerifyParams(method="ar" if prefill else method,
+                                            temperature=0.0),
+                        num_draft=k, max_new_tokens=1 if prefill else _NEW.value)
+
   for method, k in runs:  # compile
     call(groups[0], method, k)
   best = {run: np.full(len(groups), np.inf) for run in runs}
@@ -185,7 +190,7 @@ def greedy_speed(dec, prompts, batch: int, ks, repeats: int,
       tokens[method, k] = sum(o.num_tokens for o in outs)
       rounds[method, k] = [o.rounds for o in outs]
   if per_call is not None:
-    prefill = best["ar", -1]
+    prefill = best["prefill", 0]
     decoding_ar = best["ar", 0] - prefill
     for i, group in enumerate(groups):
       row = {"batch": batch, "prompt_tokens": [len(p) for p in group],

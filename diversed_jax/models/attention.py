@@ -2,8 +2,8 @@
 fastest where it runs.
 
 - "kernel": `cpu_kernels.few_query_attention`, for up to KERNEL_MAX_TOKENS new tokens per
-  sequence (decoding, drafting, verifying, prefill chunks) on a single CPU device, float32, without a
-  sliding window or logit soft-capping. It reads each head's visible slots in place and
+  sequence (decoding, drafting, verifying, prefill chunks) on a single CPU device, float32,
+  without a sliding window or logit soft-capping. It reads each head's visible slots in place and
   computes every query in a fixed order, so a token's attention is bitwise the same
   whether it is decoded alone or verified among drafts.
 - "flat": `_scores_values_flat`, XLA's form for a few query rows elsewhere.

@@ -5,8 +5,9 @@
 // that take 1.5-2.5x as long, though all read the same weights once. Verifying K drafted
 // tokens is such a product, so its cost sets the speed-up of speculative decoding on CPU.
 // This kernel streams each weight row once, multiplies it into every row of x (read from
-// L1), and splits the output rows over XLA's intra-op thread pool. It also serves one row,
-// as fast as XLA's GEMV or faster, so decoding and verification share one product.
+// L1), and splits the output rows over XLA's intra-op thread pool; on AVX-512 hosts, 3+
+// rows go through register tiles instead (`Tiles`). It also serves one row, as fast as
+// XLA's GEMV or faster, so decoding and verification share one product.
 //
 // Every y[m, o] is accumulated in the same order whatever the number of rows and however
 // the work is split: two 8-lane accumulators over alternate 8-float steps of i (a last
@@ -194,9 +195,10 @@ bool HasAvx512() {
   return has;
 }
 
-// All `rows` rows of x against output rows [o_begin, o_end). Rows whose x fits in
-// kRowBytesPerPass (at most 4): one pass. More: blocks of ~64 KB of weights, each multiplied
-// by every group of rows before the next, so groups after the first read it from cache.
+// All `rows` rows of x against output rows [o_begin, o_end). From kMinTileRows rows on
+// AVX-512 hosts: Tiles. Otherwise, rows whose x fits in kRowBytesPerPass (at most 4): one
+// pass; more: blocks of ~64 KB of weights, each multiplied by every group of rows before
+// the next, so groups after the first read it from cache.
 void Chunk(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out,
            int64_t o_begin, int64_t o_end) {
   if (rows >= kMinTileRows && HasAvx512()) {
