@@ -128,10 +128,13 @@ def test_chunked_prefill_equals_one_plain_forward(target, kind):
   needing several passes) or in one pass, gives both models the caches and the last two
   features of one plain forward over each prompt."""
   draft, params = _draft(kind, target)
-  tokens, lengths = decoder_lib.pad_prompts(PROMPTS)  # width 32, lengths 2..9
+  # Width 32, lengths 2..23. The longest row's 22 tokens take 11 passes of chunk 2; with
+  # chunk 16, a whole chunk and two quarter passes (4 + 4); with 32, one whole chunk.
+  prompts = PROMPTS + [[(5 * i) % VOCAB for i in range(1, 24)]]
+  tokens, lengths = decoder_lib.pad_prompts(prompts)
   tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
   want = _reference_prefill(target, draft, params, tokens, lengths, 64)
-  for chunk in (2, 32):
+  for chunk in (2, 16, 32):
     got = jax.jit(loop._prefill, static_argnums=(1, 2, 6, 7))(
         target.params, target.config, draft, params, tokens, lengths, 64, chunk)
     for mine, ref in zip(got[:2], want[:2]):  # target cache, then draft cache
@@ -139,7 +142,7 @@ def test_chunked_prefill_equals_one_plain_forward(target, kind):
                                  rtol=1e-5, atol=1e-5, err_msg=f"chunk={chunk}")
     np.testing.assert_array_equal(got[0].lengths_b, lengths - 1)
     np.testing.assert_array_equal(got[2], np.asarray(
-        [p[-2:] for p in PROMPTS]))  # the last two prompt tokens
+        [p[-2:] for p in prompts]))  # the last two prompt tokens
     np.testing.assert_allclose(got[3], want[2], rtol=1e-5, atol=1e-5, err_msg=f"chunk={chunk}")
   # And decoding after either prefill drafts the same (the draft caches agree).
   stats = [decoder_lib.SpeculativeDecoder(

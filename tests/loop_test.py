@@ -194,6 +194,21 @@ def test_bad_tail_widths_are_refused(pair, tail_widths):
                 tail_widths=tail_widths)
 
 
+@pytest.mark.parametrize("chunk", [64, 12, 6])
+def test_prefill_passes_cover_the_prompt_and_no_more(chunk):
+  """Whole chunks, then up to two quarter-chunk passes for a rest of at most half a chunk
+  (less than a quarter to spare); a longer rest takes one more whole chunk."""
+  for num_tokens in range(3 * chunk):
+    whole, quarters = map(int, loop._pass_counts(jnp.asarray(num_tokens), chunk))
+    rest = num_tokens % chunk
+    if chunk % 4:  # no quarter passes
+      assert (whole, quarters) == (-(-num_tokens // chunk), 0), num_tokens
+    elif 0 < rest <= chunk // 2:
+      assert whole == num_tokens // chunk and quarters == -(-rest // (chunk // 4)), num_tokens
+    else:
+      assert (whole, quarters) == (-(-num_tokens // chunk), 0), num_tokens
+
+
 def test_default_tail_widths_halve_down_to_whole_shards():
   assert loop.default_tail_widths(8) == (4, 2, 1)
   assert loop.default_tail_widths(7) == (3, 1)
