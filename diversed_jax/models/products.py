@@ -19,6 +19,10 @@ kernels that take 2-3x the GEMV's time, though they read the same weights. Three
   of 4 (the loop is slower at 5 or 6 rows than at 8).
 - "dot": everything else (other backends and dtypes, more rows).
 
+Weights may also be stored narrower, for fewer bytes read a step with the same results:
+float16 (where it holds every value) or `Int8Rows`; the kernel widens them exactly as it
+reads them, and the other forms widen them first.
+
 `benchmarks/product_speed.py` times the forms in the embedded model's forward.
 """
 
@@ -26,8 +30,10 @@ from __future__ import annotations
 
 import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from diversed_jax.models import cpu_kernels
 
@@ -45,6 +51,44 @@ FORMS = ("kernel", "fused", "dot")
 FORCE_FORM: str | None = None
 
 
+INT8_BLOCK = 32  # weights per scale in Int8Rows
+
+
+@flax.struct.dataclass
+class Int8Rows:
+  """A weight matrix [out, in] stored as int8 q and a float32 scale per 32 weights of a row:
+  w = q * scale, exact in float32 for a scale with at most 16 significant bits, as GGUF's
+  Q8_0 blocks (a float16 scale). A quarter of float32's bytes, plus 1/32 for the scales."""
+  q_oi: jax.Array  # int8 [out, in]
+  scale_ob: jax.Array  # float32 [out, in / INT8_BLOCK]
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.q_oi.shape
+
+  def dequantize(self) -> jax.Array:
+    q_obk = self.q_oi.reshape(self.shape[0], -1, INT8_BLOCK).astype(jnp.float32)
+    return (q_obk * self.scale_ob[:, :, None]).reshape(self.shape)
+
+  @staticmethod
+  def from_exact(w_oi) -> "Int8Rows | None":
+    """`w_oi` [out, in] float32 as Int8Rows, or None unless that keeps every value: each
+    block of 32 has a float16 scale (its largest magnitude / 127) and integer multiples
+    of it in [-127, 127], as a Q8_0 tensor dequantized."""
+    w = np.asarray(w_oi)
+    if w.ndim != 2 or w.shape[1] % INT8_BLOCK or w.dtype != np.float32:
+      return None
+    blocks = w.reshape(w.shape[0], -1, INT8_BLOCK)
+    scale = (np.abs(blocks).max(-1) / 127).astype(np.float16).astype(np.float32)
+    q = np.round(blocks / np.where(scale == 0, 1, scale)[:, :, None])
+    if np.abs(q).max(initial=0) > 127:
+      return None
+    q = q.astype(np.int8)
+    if not np.array_equal(q.astype(np.float32) * scale[:, :, None], blocks):
+      return None
+    return Int8Rows(jnp.asarray(q.reshape(w.shape)), jnp.asarray(scale))
+
+
 def product_form(num_rows: int, dtype) -> str:
   """The form `matmul_oi` takes for `num_rows` rows of `dtype` (decided at trace time)."""
   on_cpu_f32 = jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
@@ -58,9 +102,15 @@ def product_form(num_rows: int, dtype) -> str:
 
 
 def matmul_oi(x: jax.Array, w_oi: jax.Array, preferred_element_type=None) -> jax.Array:
-  """x [..., in] times w_oi [out, in] contracted on `in`: [..., out]."""
+  """x [..., in] times w_oi [out, in] (an array, or `Int8Rows`) contracted on `in`:
+  [..., out]."""
   lead = x.shape[:-1]
   rows = math.prod(lead)
+  if isinstance(w_oi, Int8Rows):
+    if product_form(rows, x.dtype) != "kernel":
+      return matmul_oi(x, w_oi.dequantize(), preferred_element_type)
+    return cpu_kernels.few_row_matmul_int8(x.reshape(rows, x.shape[-1]), w_oi.q_oi,
+                                           w_oi.scale_ob).reshape(*lead, w_oi.shape[0])
   form = product_form(rows, jnp.result_type(x, w_oi))
   if form == "dot":
     return jnp.einsum("...i,oi->...o", x, w_oi, preferred_element_type=preferred_element_type)

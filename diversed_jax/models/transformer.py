@@ -70,7 +70,7 @@ def layer_constants(config: ModelConfig):
   return jnp.asarray(freqs), jnp.asarray(sliding)
 
 
-def _dense(x, lp, name):
+def dense(x, lp, name):
   """x @ W for layer matrix `name`, stored [in, out] or, as `<name>_oi`, [out, in] (then
   through `products.matmul_oi`, which runs products over a few rows in a faster form)."""
   if name + "_oi" in lp:
@@ -83,14 +83,14 @@ def _project_qkv(config, lp, x_btd, positions_bt, inv_freq):
   b, t, _ = x_btd.shape
   h, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
   if "qkv" in lp or "qkv_oi" in lp:  # fused by unstack_layers: one matmul instead of three
-    qkv = _dense(x_btd, lp, "qkv")
+    qkv = dense(x_btd, lp, "qkv")
     if config.qkv_bias:
       qkv = qkv + lp["qkv_bias"]
     q, k, v = jnp.split(qkv, [h * dh, (h + hkv) * dh], axis=-1)
   else:
-    q = _dense(x_btd, lp, "q")
-    k = _dense(x_btd, lp, "k")
-    v = _dense(x_btd, lp, "v")
+    q = dense(x_btd, lp, "q")
+    k = dense(x_btd, lp, "k")
+    v = dense(x_btd, lp, "v")
     if config.qkv_bias:
       q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
   q = q.reshape(b, t, h, dh)
@@ -127,16 +127,16 @@ def _layer(config, lp, carry, positions_bt, inv_freq, sliding, index):
   v_all = _write_layer(v_all, index, positions_bt, v)
   attn = attention.attend(config, q, _read_layer(k_all, index), _read_layer(v_all, index),
                  positions_bt, sliding)
-  attn = _dense(attn, lp, "o")
+  attn = dense(attn, lp, "o")
   if config.sandwich_norm:
     attn = rms_norm(attn, lp["post_attn_norm"], config.norm_eps, config.norm_offset)
   x = x + attn
   h = rms_norm(x, lp["mlp_norm"], config.norm_eps, config.norm_offset)
   if "gate_up" in lp or "gate_up_oi" in lp:
-    gate, up = jnp.split(_dense(h, lp, "gate_up"), 2, axis=-1)
+    gate, up = jnp.split(dense(h, lp, "gate_up"), 2, axis=-1)
   else:
-    gate, up = _dense(h, lp, "gate"), _dense(h, lp, "up")
-  mlp = _dense(_activation(config, gate) * up, lp, "down")
+    gate, up = dense(h, lp, "gate"), dense(h, lp, "up")
+  mlp = dense(_activation(config, gate) * up, lp, "down")
   if config.sandwich_norm:
     mlp = rms_norm(mlp, lp["post_mlp_norm"], config.norm_eps, config.norm_offset)
   return x + mlp, k_all, v_all

@@ -1,7 +1,10 @@
 """Hand-written XLA:CPU kernels, compiled on first use and registered as FFI targets.
 
 - `few_row_matmul(x, w_oi)`: `x [rows, in] @ w_oi.T` for a few rows, reading each weight
-  row once for all rows (see `few_row_matmul.cc` for why XLA's own products are slower).
+  row once for all rows (see `few_row_matmul.cc` for why XLA's own products are slower);
+  `w_oi` float32, or float16 (widened as it is read: the float32 result on the widened
+  weights, for half the bytes); `few_row_matmul_int8(x, q, scale)` for int8 weights with a
+  scale per 32 (`products.Int8Rows`).
 - `few_query_attention(q, k, v, positions, scale)`: grouped-query attention of a few new
   tokens over a KV cache in its stored layout (see `few_query_attention.cc`).
 
@@ -33,10 +36,13 @@ _SOURCES = tuple(pathlib.Path(__file__).with_name(name)
                  for name in ("few_row_matmul.cc", "few_query_attention.cc"))
 _HEADERS = (pathlib.Path(__file__).with_name("parallel_chunks.h"),)
 _MATMUL_TARGET = "diversed_jax_few_row_matmul"
+_MATMUL_F16_TARGET = "diversed_jax_few_row_matmul_f16"
+_MATMUL_INT8_TARGET = "diversed_jax_few_row_matmul_int8"
 _ATTENTION_TARGET = "diversed_jax_few_query_attention"
 # No FMA contraction of the scalar tails: their rounding must not depend on the compiler's
 # choices in each kernel path.
-_FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+_FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC",
+          "-shared")
 ENV_SWITCH = "DIVERSED_JAX_CPU_KERNELS"
 
 
@@ -102,6 +108,10 @@ def _built() -> bool:
     return False
   jax.ffi.register_ffi_target(_MATMUL_TARGET, jax.ffi.pycapsule(library.FewRowMatmulHandler),
                               platform="cpu")
+  jax.ffi.register_ffi_target(_MATMUL_F16_TARGET,
+                              jax.ffi.pycapsule(library.FewRowMatmulF16Handler), platform="cpu")
+  jax.ffi.register_ffi_target(_MATMUL_INT8_TARGET,
+                              jax.ffi.pycapsule(library.FewRowMatmulInt8Handler), platform="cpu")
   jax.ffi.register_ffi_target(_ATTENTION_TARGET,
                               jax.ffi.pycapsule(library.FewQueryAttentionHandler), platform="cpu")
   return True
@@ -109,13 +119,15 @@ def _built() -> bool:
 
 def _call(x_mi: jax.Array, w_oi: jax.Array) -> jax.Array:
   out = jax.ShapeDtypeStruct((x_mi.shape[0], w_oi.shape[0]), jnp.float32)
+  target = _MATMUL_F16_TARGET if w_oi.dtype == jnp.float16 else _MATMUL_TARGET
   # "sequential": under vmap each mapped slice is its own call (correct for any in_axes).
-  return jax.ffi.ffi_call(_MATMUL_TARGET, out, vmap_method="sequential")(x_mi, w_oi)
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x_mi, w_oi)
 
 
 @jax.custom_vjp
 def few_row_matmul(x_mi: jax.Array, w_oi: jax.Array) -> jax.Array:
-  """x_mi [rows, in] float32 times w_oi [out, in] float32 on `in`: [rows, out].
+  """x_mi [rows, in] float32 times w_oi [out, in] float32 or float16 on `in`: [rows, out]
+  float32 (float16 weights widened exactly: the float32 product of the widened weights).
 
   Call only where `available()` is True. Differentiable: the backward pass uses XLA's
   products (training is not what this kernel is for).
@@ -129,10 +141,22 @@ def _forward(x_mi, w_oi):
 
 def _backward(residuals, dy_mo):
   x_mi, w_oi = residuals
-  return dy_mo @ w_oi, dy_mo.T @ x_mi
+  return dy_mo @ w_oi.astype(jnp.float32), (dy_mo.T @ x_mi).astype(w_oi.dtype)
 
 
 few_row_matmul.defvjp(_forward, _backward)
+
+
+def few_row_matmul_int8(x_mi: jax.Array, q_oi: jax.Array, scale_ob: jax.Array) -> jax.Array:
+  """x_mi [rows, in] float32 times the weights q_oi [out, in] int8 * scale_ob [out, in / 32]
+  float32 (one scale per 32 weights; `in` a multiple of 32): [rows, out] float32, bitwise
+  `few_row_matmul` of the float32 weights where q * scale is exact in float32.
+
+  Call only where `available()` is True. Not differentiable (inference only).
+  """
+  out = jax.ShapeDtypeStruct((x_mi.shape[0], q_oi.shape[0]), jnp.float32)
+  return jax.ffi.ffi_call(_MATMUL_INT8_TARGET, out, vmap_method="sequential")(
+      x_mi, q_oi, scale_ob)
 
 
 def few_query_attention(q_btkgd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,

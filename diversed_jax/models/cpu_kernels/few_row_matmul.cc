@@ -14,6 +14,12 @@
 // lone step goes to the first), their sum, a fixed lane reduction, then the scalar tail.
 // So one row's result is bitwise the same alone or among others (a token's products do not
 // depend on how many tokens are verified with it).
+//
+// The weights may also be stored as float16, or as int8 with a float32 scale per 32
+// weights (two more FFI targets): each weight is widened to float32 exactly as it is
+// loaded, so the results are bitwise those of the float32 kernel on the widened weights,
+// for a half or about a quarter of the bytes (a distilled draft stored in float16, and its
+// head: rows of the target's GGUF Q8_0 embedding).
 
 #include <immintrin.h>
 
@@ -29,12 +35,91 @@ namespace {
 
 using diversed_jax::LaneSum;
 
+// How the kernel reads a weight matrix [out, in]: `Row(o)` gives a view of one row that
+// loads 8 or 16 consecutive weights widened to float32 (exactly, so every storage gives the
+// float32 kernel's bits on the widened weights) and one weight for the scalar tail.
+// `Address(o)` and `RowBytes()` locate the stored rows for prefetching.
+
+// Rows stored as float32, or as float16 bits (T = uint16_t).
+template <typename T>
+struct PlainRow {
+  const T* w;
+  __m256 Load8(int64_t i) const {
+    if constexpr (sizeof(T) == 4) {
+      return _mm256_loadu_ps(w + i);
+    } else {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+    }
+  }
+  __attribute__((target("avx512f"))) __m512 Load16(int64_t i) const {
+    if constexpr (sizeof(T) == 4) {
+      return _mm512_loadu_ps(w + i);
+    } else {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)));
+    }
+  }
+  // Weights i..i+7 in lanes 0-7, zeros above.
+  __attribute__((target("avx512f"))) __m512 LoadEven8(int64_t i) const {
+    return _mm512_zextps256_ps512(Load8(i));
+  }
+  float At(int64_t i) const {
+    if constexpr (sizeof(T) == 4) {
+      return w[i];
+    } else {
+      return _cvtsh_ss(w[i]);
+    }
+  }
+};
+
+template <typename T>
+struct PlainMatrix {
+  const T* w;
+  int64_t in;
+  PlainRow<T> Row(int64_t o) const { return {w + o * in}; }
+  const char* Address(int64_t o) const { return reinterpret_cast<const char*>(w + o * in); }
+  int64_t RowBytes() const { return in * static_cast<int64_t>(sizeof(T)); }
+};
+
+// Rows stored as int8 q with one float32 scale d per 32 weights: weight = q * d, exact in
+// float32 when d has at most 16 significant bits (a float16 scale, as GGUF's Q8_0). A
+// 16-weight step never straddles two blocks (steps start at multiples of 16).
+constexpr int64_t kInt8Block = 32;
+
+struct Int8Row {
+  const int8_t* q;
+  const float* scale;
+  __m256 Load8(int64_t i) const {
+    const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)),
+                         _mm256_set1_ps(scale[i / kInt8Block]));
+  }
+  __attribute__((target("avx512f"))) __m512 Load16(int64_t i) const {
+    const __m128i q16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)),
+                         _mm512_set1_ps(scale[i / kInt8Block]));
+  }
+  __attribute__((target("avx512f"))) __m512 LoadEven8(int64_t i) const {
+    return _mm512_zextps256_ps512(Load8(i));
+  }
+  float At(int64_t i) const { return static_cast<float>(q[i]) * scale[i / kInt8Block]; }
+};
+
+struct Int8Matrix {
+  const int8_t* q;
+  const float* scale;
+  int64_t in;
+  Int8Row Row(int64_t o) const { return {q + o * in, scale + o * (in / kInt8Block)}; }
+  const char* Address(int64_t o) const { return reinterpret_cast<const char*>(q + o * in); }
+  int64_t RowBytes() const { return in; }
+};
+
 // An output's last steps, shared by every path so all round alike: its even and odd
 // 8-lane accumulators added, their lanes summed, then the scalar tail past in8 in order.
-inline float FinishDot(__m256 even, __m256 odd, const float* x_row, const float* w_row,
+template <typename R>
+inline float FinishDot(__m256 even, __m256 odd, const float* x_row, const R& w_row,
                        int64_t in8, int64_t in) {
   float s = LaneSum(_mm256_add_ps(even, odd));
-  for (int64_t i = in8; i < in; ++i) s += x_row[i] * w_row[i];
+  for (int64_t i = in8; i < in; ++i) s += x_row[i] * w_row.At(i);
   return s;
 }
 
@@ -44,25 +129,25 @@ inline float FinishDot(__m256 even, __m256 odd, const float* x_row, const float*
 // with x held in registers issue fewer loads, but their short interleaved streams ran at
 // 60-75% of this on a 2-core Zen 4 host.) Two accumulators per row, over alternate 8-float
 // steps, keep two FMA chains in flight.
-template <int ROWS>
-void RowGroup(const float* x, const float* w, float* y, int64_t in, int64_t out,
+template <int ROWS, typename M>
+void RowGroup(const float* x, const M& w, float* y, int64_t in, int64_t out,
               int64_t o_begin, int64_t o_end) {
   const int64_t in16 = in & ~int64_t{15};
   const int64_t in8 = in & ~int64_t{7};
   for (int64_t o = o_begin; o < o_end; ++o) {
-    const float* w_row = w + o * in;
+    const auto w_row = w.Row(o);
     __m256 even[ROWS], odd[ROWS];
     for (int m = 0; m < ROWS; ++m) even[m] = odd[m] = _mm256_setzero_ps();
     for (int64_t i = 0; i < in16; i += 16) {
-      const __m256 w_even = _mm256_loadu_ps(w_row + i);
-      const __m256 w_odd = _mm256_loadu_ps(w_row + i + 8);
+      const __m256 w_even = w_row.Load8(i);
+      const __m256 w_odd = w_row.Load8(i + 8);
       for (int m = 0; m < ROWS; ++m) {
         even[m] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(x + m * in + i), even[m]);
         odd[m] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(x + m * in + i + 8), odd[m]);
       }
     }
     if (in8 > in16) {
-      const __m256 w_even = _mm256_loadu_ps(w_row + in16);
+      const __m256 w_even = w_row.Load8(in16);
       for (int m = 0; m < ROWS; ++m)
         even[m] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(x + m * in + in16), even[m]);
     }
@@ -73,7 +158,8 @@ void RowGroup(const float* x, const float* w, float* y, int64_t in, int64_t out,
 }
 
 // Up to 4 rows of x against output rows [o_begin, o_end) in one pass over the weights.
-void RowGroups(const float* x, const float* w, float* y, int64_t rows, int64_t in,
+template <typename M>
+void RowGroups(const float* x, const M& w, float* y, int64_t rows, int64_t in,
                int64_t out, int64_t o_begin, int64_t o_end) {
   switch (rows) {
     case 1: RowGroup<1>(x, w, y, in, out, o_begin, o_end); break;
@@ -98,12 +184,14 @@ constexpr int64_t kBlockFloats = 16384;
 // the same bits as in RowGroup. 16 accumulators and 4 weight vectors fit the 32 registers:
 // 16 FMAs per 8 loads, against one load per FMA in RowGroup, where rows share only the
 // weight loads. Compute-bound products (verifying a batch) run at close to the FMA rate.
-template <int MR, int NR>
-__attribute__((target("avx512f"))) void Tile(const float* x, const float* w, float* y,
+template <int MR, int NR, typename M>
+__attribute__((target("avx512f"))) void Tile(const float* x, const M& w, float* y,
                                              int64_t in, int64_t out, int64_t o0,
                                              const char* prefetch, int64_t prefetch_lines) {
   const int64_t in16 = in & ~int64_t{15};
   const int64_t in8 = in & ~int64_t{7};
+  decltype(w.Row(0)) w_rows[NR];
+  for (int n = 0; n < NR; ++n) w_rows[n] = w.Row(o0 + n);
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
@@ -115,7 +203,7 @@ __attribute__((target("avx512f"))) void Tile(const float* x, const float* w, flo
     for (int64_t end = std::min(prefetch_lines, line + per_step); line < end; ++line)
       _mm_prefetch(prefetch + 64 * line, _MM_HINT_T1);
     __m512 w_n[NR];
-    for (int n = 0; n < NR; ++n) w_n[n] = _mm512_loadu_ps(w + (o0 + n) * in + i);
+    for (int n = 0; n < NR; ++n) w_n[n] = w_rows[n].Load16(i);
     for (int m = 0; m < MR; ++m) {
       const __m512 x_m = _mm512_loadu_ps(x + m * in + i);
       for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_fmadd_ps(w_n[n], x_m, acc[m][n]);
@@ -125,7 +213,7 @@ __attribute__((target("avx512f"))) void Tile(const float* x, const float* w, flo
   if (in8 > in16) {  // a last lone 8-float step: the even lanes only
     const __mmask16 even = 0x00FF;
     __m512 w_n[NR];
-    for (int n = 0; n < NR; ++n) w_n[n] = _mm512_maskz_loadu_ps(even, w + (o0 + n) * in + in16);
+    for (int n = 0; n < NR; ++n) w_n[n] = w_rows[n].LoadEven8(in16);
     for (int m = 0; m < MR; ++m) {
       const __m512 x_m = _mm512_maskz_loadu_ps(even, x + m * in + in16);
       for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_mask3_fmadd_ps(w_n[n], x_m, acc[m][n], even);
@@ -135,13 +223,13 @@ __attribute__((target("avx512f"))) void Tile(const float* x, const float* w, flo
     for (int n = 0; n < NR; ++n) {
       const __m256 even = _mm512_castps512_ps256(acc[m][n]);
       const __m256 odd = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m][n]), 1));
-      y[m * out + o0 + n] = FinishDot(even, odd, x + m * in, w + (o0 + n) * in, in8, in);
+      y[m * out + o0 + n] = FinishDot(even, odd, x + m * in, w_rows[n], in8, in);
     }
   }
 }
 
-template <int MR>
-void TileColumns(const float* x, const float* w, float* y, int64_t in, int64_t out,
+template <int MR, typename M>
+void TileColumns(const float* x, const M& w, float* y, int64_t in, int64_t out,
                  int64_t o0, int64_t nr, const char* prefetch, int64_t lines) {
   switch (nr) {
     case 1: Tile<MR, 1>(x, w, y, in, out, o0, prefetch, lines); break;
@@ -156,13 +244,14 @@ void TileColumns(const float* x, const float* w, float* y, int64_t in, int64_t o
 // read it from cache), and the column's tiles prefetch the next column into L2 as they go.
 // (4 interleaved weight rows are a poor stream for the hardware prefetcher: 1.2-1.4x slower
 // without. Prefetching 64 KB blocks ahead instead made 3-4 rows 1.15-1.2x slower.)
-void Tiles(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out,
+template <typename M>
+void Tiles(const float* x, const M& w, float* y, int64_t rows, int64_t in, int64_t out,
            int64_t o_begin, int64_t o_end) {
   const int64_t groups = (rows + 3) / 4;
   for (int64_t o0 = o_begin; o0 < o_end; o0 += 4) {
     const int64_t nr = std::min<int64_t>(4, o_end - o0);
-    const char* next = reinterpret_cast<const char*>(w + (o0 + nr) * in);
-    const int64_t next_lines = std::min<int64_t>(4, o_end - o0 - nr) * in * 4 / 64;
+    const char* next = w.Address(o0 + nr);
+    const int64_t next_lines = std::min<int64_t>(4, o_end - o0 - nr) * w.RowBytes() / 64;
     const int64_t lines_per_group = (next_lines + groups - 1) / groups;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t m0 = 4 * g;
@@ -199,7 +288,8 @@ bool HasAvx512() {
 // AVX-512 hosts: Tiles. Otherwise, rows whose x fits in kRowBytesPerPass (at most 4): one
 // pass; more: blocks of ~64 KB of weights, each multiplied by every group of rows before
 // the next, so groups after the first read it from cache.
-void Chunk(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out,
+template <typename M>
+void Chunk(const float* x, const M& w, float* y, int64_t rows, int64_t in, int64_t out,
            int64_t o_begin, int64_t o_end) {
   if (rows >= kMinTileRows && HasAvx512()) {
     Tiles(x, w, y, rows, in, out, o_begin, o_end);
@@ -225,23 +315,50 @@ void Chunk(const float* x, const float* w, float* y, int64_t rows, int64_t in, i
 // defeat: 1.3x slower; a few, so a thread that starts late can take a share).
 constexpr int64_t kChunksPerThread = 4;
 
-ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  const auto x_dims = x.dimensions();
-  const auto w_dims = w.dimensions();
+template <typename M>
+ffi::Error FewRowMatmulOf(ffi::ThreadPool& pool, const float* x_data, const M& w_data,
+                          float* y_data, ffi::Span<const int64_t> x_dims,
+                          ffi::Span<const int64_t> w_dims) {
   if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1] || x_dims[1] == 0) {
     return ffi::Error::InvalidArgument("few_row_matmul: expected x [rows, in], w [out, in]");
   }
   const int64_t rows = x_dims[0], in = x_dims[1], out = w_dims[0];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = (out + threads * kChunksPerThread - 1) / (threads * kChunksPerThread);
-  const float* x_data = x.typed_data();
-  const float* w_data = w.typed_data();
-  float* y_data = y->typed_data();
   diversed_jax::ParallelChunks(pool, (out + chunk - 1) / chunk, [=](int64_t c) {
     Chunk(x_data, w_data, y_data, rows, in, out, c * chunk, std::min(out, (c + 1) * chunk));
   });
   return ffi::Error::Success();
+}
+
+ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  const PlainMatrix<float> w_rows{w.typed_data(), w.dimensions().back()};
+  return FewRowMatmulOf(pool, x.typed_data(), w_rows, y->typed_data(), x.dimensions(),
+                        w.dimensions());
+}
+
+ffi::Error FewRowMatmulF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::F16> w, ffi::ResultBuffer<ffi::F32> y) {
+  const PlainMatrix<uint16_t> w_rows{static_cast<const uint16_t*>(w.untyped_data()),
+                                     w.dimensions().back()};
+  return FewRowMatmulOf(pool, x.typed_data(), w_rows, y->typed_data(), x.dimensions(),
+                        w.dimensions());
+}
+
+ffi::Error FewRowMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const auto q_dims = q.dimensions();
+  const auto s_dims = scale.dimensions();
+  if (q_dims.size() != 2 || q_dims[1] % kInt8Block != 0 || s_dims.size() != 2 ||
+      s_dims[0] != q_dims[0] || s_dims[1] * kInt8Block != q_dims[1]) {
+    return ffi::Error::InvalidArgument(
+        "few_row_matmul_int8: expected q [out, in] with in a multiple of 32, scale "
+        "[out, in / 32]");
+  }
+  const Int8Matrix w_rows{q.typed_data(), scale.typed_data(), q_dims[1]};
+  return FewRowMatmulOf(pool, x.typed_data(), w_rows, y->typed_data(), x.dimensions(), q_dims);
 }
 
 }  // namespace
@@ -253,7 +370,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowMatmulHandler, FewRowMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Whether this CPU runs the kernel (AVX2 and FMA), asked before registering it.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowMatmulF16Handler, FewRowMatmulF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowMatmulInt8Handler, FewRowMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether this CPU runs the kernel (AVX2, FMA and F16C), asked before registering it.
 extern "C" int FewRowMatmulSupported() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 }
