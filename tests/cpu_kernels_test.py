@@ -129,3 +129,46 @@ def test_a_querys_attention_does_not_depend_on_its_companions():
                        (slice(1, 4), slice(4, 5)), (slice(3, 4), slice(0, 5))]:
     alone = _attention(q[rows, tokens], k[rows], v[rows], positions[rows, tokens], 0.125)
     np.testing.assert_array_equal(np.asarray(alone), together[rows, tokens])
+
+
+def _q8_blocks(rng, size_out, size_in):
+  """(int8 q, float32 scales, the weights q * scale): float16 scales, as GGUF's Q8_0."""
+  q = rng.integers(-127, 128, (size_out, size_in), dtype=np.int8)
+  scale = (rng.uniform(0.001, 0.05, (size_out, size_in // 32))).astype(np.float16)
+  w = (q.reshape(size_out, -1, 32).astype(np.float32) * scale.astype(np.float32)[..., None])
+  return jnp.asarray(q), jnp.asarray(scale, jnp.float32), jnp.asarray(w.reshape(q.shape))
+
+
+# Narrow storage goes through every path the float32 weights take (row groups, blocks,
+# tiles, lone 8-float steps, scalar tails): its results must keep the float32 kernel's bits.
+@needs_kernel
+@pytest.mark.parametrize("rows,size_in,size_out", [
+    (1, 576, 960), (2, 64, 13), (3, 40, 7), (4, 1536, 33), (5, 1536, 576), (8, 100, 50),
+    (13, 37, 19), (32, 576, 960), (3, 5, 3)])
+def test_float16_weights_give_the_float32_kernels_bits(rows, size_in, size_out):
+  rng = np.random.default_rng(rows + size_in)
+  x = _random(rng, rows, size_in)
+  w16 = jnp.asarray(rng.standard_normal((size_out, size_in)), jnp.float16)
+  got = np.asarray(jax.jit(cpu_kernels.few_row_matmul)(x, w16))
+  want = np.asarray(jax.jit(cpu_kernels.few_row_matmul)(x, w16.astype(jnp.float32)))
+  np.testing.assert_array_equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,size_in,size_out", [
+    (1, 576, 960), (2, 64, 13), (3, 96, 7), (4, 1536, 33), (8, 576, 50), (17, 32, 19)])
+def test_int8_weights_give_the_float32_kernels_bits(rows, size_in, size_out):
+  rng = np.random.default_rng(rows + size_in)
+  x = _random(rng, rows, size_in)
+  q, scale, w = _q8_blocks(rng, size_out, size_in)
+  got = np.asarray(jax.jit(cpu_kernels.few_row_matmul_int8)(x, q, scale))
+  want = np.asarray(jax.jit(cpu_kernels.few_row_matmul)(x, w))
+  np.testing.assert_array_equal(got, want)
+
+
+@needs_kernel
+def test_int8_weights_need_a_scale_per_32():
+  x = jnp.ones((2, 48), jnp.float32)
+  with pytest.raises(Exception, match="multiple of 32"):
+    jax.jit(cpu_kernels.few_row_matmul_int8)(x, jnp.ones((4, 48), jnp.int8),
+                                             jnp.ones((4, 1), jnp.float32))

@@ -14,7 +14,7 @@ import pytest
 
 from diversed_jax.distill import (architectures, artifacts, batches, continuations, copy_gate,
                                   data, train)
-from diversed_jax.models import ModelConfig, init_params, transformer
+from diversed_jax.models import ModelConfig, cpu_kernels, init_params, products, transformer
 from diversed_jax.models.loading import LoadedModel
 from diversed_jax.speculative import decoder as decoder_lib
 from diversed_jax.speculative import context_copy, loop, step_costs
@@ -151,6 +151,35 @@ def test_chunked_prefill_equals_one_plain_forward(target, kind):
                                     num_draft=3, max_new_tokens=8, eos_token_ids=(),
                                     batch_size=2).stats for chunk in (32, 2)]
   np.testing.assert_allclose(stats[1].accept_prob_rbk, stats[0].accept_prob_rbk, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels.runs_here(jnp.float32), reason="no few-row kernel here")
+@pytest.mark.parametrize("kind", architectures.KINDS)
+def test_decoding_layout_stores_exact_matrices_narrow_with_the_same_outputs(target, kind):
+  """A draft as loaded from its float16 folder, with a head of Q8_0 rows (float16 scales,
+  integer multiples in [-127, 127]), decodes with float16 matrices and an int8 head, and
+  its logits, features and caches keep their bits."""
+  draft, params = _draft(kind, target)
+  params["train"] = jax.tree.map(lambda x: x.astype(jnp.float16).astype(jnp.float32),
+                                 params["train"])
+  rng = np.random.default_rng(0)
+  q = rng.integers(-127, 128, params["frozen"]["head_embed"].shape).astype(np.float32)
+  q[:, ::32] = 127
+  scale = rng.uniform(0.01, 0.1, (q.shape[0], q.shape[1] // 32)).astype(np.float16)
+  params["frozen"]["head_embed"] = jnp.asarray(
+      (q.reshape(q.shape[0], -1, 32) * scale.astype(np.float32)[..., None]).reshape(q.shape))
+  narrow = draft.inference_params(params)
+  matrices = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(narrow["train"])
+              if str(path[-1]).strip("[]'").endswith("_oi")]
+  assert matrices and all(m.dtype == jnp.float16 for m in matrices)
+  assert isinstance(narrow["frozen"]["head_embed"], products.Int8Rows)
+  wide = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.float16 else x, narrow)
+  wide["frozen"] = {**wide["frozen"], "head_embed": narrow["frozen"]["head_embed"].dequantize()}
+  tokens = jnp.asarray([[3, 9, 4], [1, 7, 2]])
+  features = jnp.asarray(rng.standard_normal((2, 3, target.config.hidden_size)), jnp.float32)
+  run = jax.jit(lambda p: draft.forward(p, tokens, draft.init_cache(p, 2, 16), features))
+  for got, want in zip(jax.tree.leaves(run(narrow)), jax.tree.leaves(run(wide))):
+    np.testing.assert_array_equal(got, want)
 
 
 def test_feature_draft_incremental_matches_training_pass(target):

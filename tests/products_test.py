@@ -75,3 +75,32 @@ def test_few_row_forms_have_gradients(few_row_form):
   for got, want in zip(jax.grad(loss(products.matmul_oi), (0, 1))(x, w_oi),
                        jax.grad(loss(plain), (0, 1))(x, w_oi)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_rows_keep_exactly_what_they_can():
+  rng = np.random.default_rng(3)
+  q = rng.integers(-127, 128, (6, 64)).astype(np.float32)
+  q[:, ::32] = 127  # each block's largest magnitude sets its scale, as in Q8_0
+  scale = rng.uniform(0.001, 0.05, (6, 2)).astype(np.float16).astype(np.float32)
+  w = (q.reshape(6, 2, 32) * scale[..., None]).reshape(6, 64)
+  rows = products.Int8Rows.from_exact(w)
+  assert rows is not None and rows.q_oi.dtype == jnp.int8 and rows.shape == (6, 64)
+  np.testing.assert_array_equal(rows.dequantize(), w)
+  w[2, 5] += 1e-4  # off the block's grid
+  assert products.Int8Rows.from_exact(w) is None
+  assert products.Int8Rows.from_exact(w[:, :48]) is None  # no whole blocks
+
+
+def test_narrow_weights_give_the_float32_products(few_row_form):
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+  w16 = jnp.asarray(rng.standard_normal((10, 64)), jnp.float16)
+  np.testing.assert_array_equal(jax.jit(products.matmul_oi)(x, w16),
+                                jax.jit(products.matmul_oi)(x, w16.astype(jnp.float32)))
+  q = rng.integers(-127, 128, (10, 64)).astype(np.float32)
+  q[:, ::32] = 127
+  scale = rng.uniform(0.001, 0.05, (10, 2)).astype(np.float16).astype(np.float32)
+  w = (q.reshape(10, 2, 32) * scale[..., None]).reshape(10, 64)
+  rows = products.Int8Rows.from_exact(w)
+  np.testing.assert_array_equal(jax.jit(products.matmul_oi)(x, rows),
+                                jax.jit(products.matmul_oi)(x, jnp.asarray(w)))
