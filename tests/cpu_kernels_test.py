@@ -30,7 +30,7 @@ def _random(rng, *shape):
 
 # Shapes cover every row group (1-4 rows in one pass; more in groups of up to 4 and a
 # remainder; groups of 2 and 1 where `in` is long) and, on AVX-512 hosts, the tiles (from 3
-# rows: full and partial tiles and columns), `in` with and without a last 8-float step past
+# rows: groups of 3 to 6 rows, full and partial columns), `in` with and without a last 8-float step past
 # a multiple of 16 and a scalar tail, `out` split into uneven chunks.
 @needs_kernel
 @pytest.mark.parametrize("rows,size_in,size_out", [
