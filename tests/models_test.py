@@ -14,8 +14,8 @@ import pytest
 import torch
 import transformers
 
-from diversed_jax.models import (KVCache, config as config_lib, hf_layout, init, kv_cache,
-                                 transformer)
+from diversed_jax.models import (KVCache, config as config_lib, cpu_kernels, hf_layout, init,
+                                 kv_cache, products, transformer)
 
 VOCAB, BATCH, SEQ = 97, 2, 32
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -232,3 +232,25 @@ def test_unstacked_layers_match_stacked(name, fuse):
   restacked = transformer.stack_layers(flat)
   for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not cpu_kernels.runs_here(jnp.float32), reason="no few-row kernel here")
+def test_decoding_layout_reads_a_q8_embedding_as_int8_with_the_same_logits():
+  """A tied embedding that int8 with a scale per 32 holds exactly (GGUF's Q8_0) is also
+  kept as an int8 head in the decoding layout: the same logits bit for bit, and the
+  stacked layout it converts back to has no trace of it."""
+  cfg, params, tokens_bt, _ = case("llama_tied")
+  rng = np.random.default_rng(0)
+  q = rng.integers(-127, 128, (VOCAB, cfg.hidden_size)).astype(np.float32)
+  q[:, ::32] = 127
+  scale = rng.uniform(0.01, 0.05, (VOCAB, cfg.hidden_size // 32)).astype(np.float16)
+  embed = (q.reshape(VOCAB, -1, 32) * scale.astype(np.float32)[..., None]).reshape(q.shape)
+  q8_params = {**params, "embed": jnp.asarray(embed)}
+  flat = transformer.unstack_layers(q8_params)
+  assert isinstance(flat["tied_head_oi"], products.Int8Rows)
+  assert "tied_head_oi" not in transformer.unstack_layers(params)  # not on its grid
+  plain = {k: v for k, v in flat.items() if k != "tied_head_oi"}
+  step = jnp.asarray(tokens_bt[:, :3])
+  np.testing.assert_array_equal(transformer.forward_jit(flat, cfg, step)[0],
+                                transformer.forward_jit(plain, cfg, step)[0])
+  assert set(transformer.stack_layers(flat)) == set(q8_params)
