@@ -155,13 +155,17 @@ def test_chunked_prefill_equals_one_plain_forward(target, kind):
 
 @pytest.mark.skipif(not cpu_kernels.runs_here(jnp.float32), reason="no few-row kernel here")
 @pytest.mark.parametrize("kind", architectures.KINDS)
-def test_decoding_layout_stores_exact_matrices_narrow_with_the_same_outputs(target, kind):
+def test_decoding_layout_stores_exact_matrices_narrow_with_the_same_outputs(target, kind,
+                                                                            monkeypatch):
   """A draft as loaded from its float16 folder, with a head of Q8_0 rows (float16 scales,
-  integer multiples in [-127, 127]), decodes with float16 matrices and an int8 head, and
-  its logits, features and caches keep their bits."""
+  integer multiples in [-127, 127]), decodes with float16 matrices and an int8 head (a
+  matrix float16 cannot hold stays float32), and its logits, features and caches keep the
+  bits of the all-float32 layout."""
   draft, params = _draft(kind, target)
   params["train"] = jax.tree.map(lambda x: x.astype(jnp.float16).astype(jnp.float32),
                                  params["train"])
+  layers = params["train"]["layers"]  # one matrix off float16's grid must stay float32
+  params["train"]["layers"] = {**layers, "down": layers["down"] * (1 + 2.0 ** -14)}
   rng = np.random.default_rng(0)
   q = rng.integers(-127, 128, params["frozen"]["head_embed"].shape).astype(np.float32)
   q[:, ::32] = 127
@@ -171,10 +175,12 @@ def test_decoding_layout_stores_exact_matrices_narrow_with_the_same_outputs(targ
   narrow = draft.inference_params(params)
   matrices = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(narrow["train"])
               if str(path[-1]).strip("[]'").endswith("_oi")]
-  assert matrices and all(m.dtype == jnp.float16 for m in matrices)
+  kept_wide = [m.dtype for m in matrices if m.dtype != jnp.float16]
+  assert kept_wide == [jnp.float32] * len(layers["q"])  # each layer's down_oi
   assert isinstance(narrow["frozen"]["head_embed"], products.Int8Rows)
-  wide = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.float16 else x, narrow)
-  wide["frozen"] = {**wide["frozen"], "head_embed": narrow["frozen"]["head_embed"].dequantize()}
+  with monkeypatch.context() as patch:  # the same layout, every matrix float32
+    patch.setattr(cpu_kernels, "runs_here", lambda dtype: False)
+    wide = draft.inference_params(params)
   tokens = jnp.asarray([[3, 9, 4], [1, 7, 2]])
   features = jnp.asarray(rng.standard_normal((2, 3, target.config.hidden_size)), jnp.float32)
   run = jax.jit(lambda p: draft.forward(p, tokens, draft.init_cache(p, 2, 16), features))
