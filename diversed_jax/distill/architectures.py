@@ -156,11 +156,13 @@ class DistilledDraft:
     if "fc" in train:
       train["fc_oi"] = jnp.swapaxes(train.pop("fc"), 0, 1)
     frozen = params["frozen"]
+    # Idempotent: a decoder built from another decoder's params passes them in this layout.
     if cpu_kernels.runs_here(jnp.float32):
       train = jax.tree_util.tree_map_with_path(_float16_if_exact, train)
-      head = products.Int8Rows.from_exact(frozen["head_embed"])
-      if head is not None:
-        frozen = {**frozen, "head_embed": head}
+      if not isinstance(frozen["head_embed"], products.Int8Rows):
+        head = products.Int8Rows.from_exact(frozen["head_embed"])
+        if head is not None:
+          frozen = {**frozen, "head_embed": head}
     return {**params, "train": train, "frozen": frozen}
 
   def forward(self, params, tokens_bt, cache, target_hidden_btd=None):

@@ -58,10 +58,6 @@ struct PlainRow {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)));
     }
   }
-  // Weights i..i+7 in lanes 0-7, zeros above.
-  __attribute__((target("avx512f"))) __m512 LoadEven8(int64_t i) const {
-    return _mm512_zextps256_ps512(Load8(i));
-  }
   float At(int64_t i) const {
     if constexpr (sizeof(T) == 4) {
       return w[i];
@@ -98,9 +94,6 @@ struct Int8Row {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)),
                          _mm512_set1_ps(scale[i / kInt8Block]));
   }
-  __attribute__((target("avx512f"))) __m512 LoadEven8(int64_t i) const {
-    return _mm512_zextps256_ps512(Load8(i));
-  }
   float At(int64_t i) const { return static_cast<float>(q[i]) * scale[i / kInt8Block]; }
 };
 
@@ -112,6 +105,12 @@ struct Int8Matrix {
   const char* Address(int64_t o) const { return reinterpret_cast<const char*>(q + o * in); }
   int64_t RowBytes() const { return in; }
 };
+
+// A row's weights i..i+7 in lanes 0-7, zeros above (a tile's last lone 8-weight step).
+template <typename R>
+__attribute__((target("avx512f"))) inline __m512 LoadEven8(const R& row, int64_t i) {
+  return _mm512_zextps256_ps512(row.Load8(i));
+}
 
 // An output's last steps, shared by every path so all round alike: its even and odd
 // 8-lane accumulators added, their lanes summed, then the scalar tail past in8 in order.
@@ -213,7 +212,7 @@ __attribute__((target("avx512f"))) void Tile(const float* x, const M& w, float* 
   if (in8 > in16) {  // a last lone 8-float step: the even lanes only
     const __mmask16 even = 0x00FF;
     __m512 w_n[NR];
-    for (int n = 0; n < NR; ++n) w_n[n] = w_rows[n].LoadEven8(in16);
+    for (int n = 0; n < NR; ++n) w_n[n] = LoadEven8(w_rows[n], in16);
     for (int m = 0; m < MR; ++m) {
       const __m512 x_m = _mm512_maskz_loadu_ps(even, x + m * in + in16);
       for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_mask3_fmadd_ps(w_n[n], x_m, acc[m][n], even);
