@@ -10,6 +10,8 @@ import pytest
 
 from diversed_jax.models import cpu_kernels
 
+from tests.q8 import q8_0_weights
+
 _CAN_BUILD = platform.machine().lower() in ("x86_64", "amd64") and shutil.which("g++")
 
 
@@ -131,14 +133,6 @@ def test_a_querys_attention_does_not_depend_on_its_companions():
     np.testing.assert_array_equal(np.asarray(alone), together[rows, tokens])
 
 
-def _q8_blocks(rng, size_out, size_in):
-  """(int8 q, float32 scales, the weights q * scale): float16 scales, as GGUF's Q8_0."""
-  q = rng.integers(-127, 128, (size_out, size_in), dtype=np.int8)
-  scale = (rng.uniform(0.001, 0.05, (size_out, size_in // 32))).astype(np.float16)
-  w = (q.reshape(size_out, -1, 32).astype(np.float32) * scale.astype(np.float32)[..., None])
-  return jnp.asarray(q), jnp.asarray(scale, jnp.float32), jnp.asarray(w.reshape(q.shape))
-
-
 # Narrow storage goes through every path the float32 weights take (row groups, blocks,
 # tiles, lone 8-float steps, scalar tails): its results must keep the float32 kernel's bits.
 @needs_kernel
@@ -160,7 +154,7 @@ def test_float16_weights_give_the_float32_kernels_bits(rows, size_in, size_out):
 def test_int8_weights_give_the_float32_kernels_bits(rows, size_in, size_out):
   rng = np.random.default_rng(rows + size_in)
   x = _random(rng, rows, size_in)
-  q, scale, w = _q8_blocks(rng, size_out, size_in)
+  q, scale, w = q8_0_weights(rng, size_out, size_in)
   got = np.asarray(jax.jit(cpu_kernels.few_row_matmul_int8)(x, q, scale))
   want = np.asarray(jax.jit(cpu_kernels.few_row_matmul)(x, w))
   np.testing.assert_array_equal(got, want)

@@ -20,6 +20,8 @@ from diversed_jax.speculative import decoder as decoder_lib
 from diversed_jax.speculative import context_copy, loop, step_costs
 from diversed_jax.speculative.types import VerifyParams
 
+from tests.q8 import q8_0_weights
+
 VOCAB = 64
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -167,11 +169,8 @@ def test_decoding_layout_stores_exact_matrices_narrow_with_the_same_outputs(targ
   layers = params["train"]["layers"]  # one matrix off float16's grid must stay float32
   params["train"]["layers"] = {**layers, "down": layers["down"] * (1 + 2.0 ** -14)}
   rng = np.random.default_rng(0)
-  q = rng.integers(-127, 128, params["frozen"]["head_embed"].shape).astype(np.float32)
-  q[:, ::32] = 127
-  scale = rng.uniform(0.01, 0.1, (q.shape[0], q.shape[1] // 32)).astype(np.float16)
-  params["frozen"]["head_embed"] = jnp.asarray(
-      (q.reshape(q.shape[0], -1, 32) * scale.astype(np.float32)[..., None]).reshape(q.shape))
+  _, _, head = q8_0_weights(rng, *params["frozen"]["head_embed"].shape, (0.01, 0.1))
+  params["frozen"]["head_embed"] = jnp.asarray(head)
   narrow = draft.inference_params(params)
   matrices = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(narrow["train"])
               if str(path[-1]).strip("[]'").endswith("_oi")]

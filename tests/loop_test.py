@@ -1,6 +1,8 @@
 """The speculative loop end to end on tiny random models, plus the real SmolLM2 (slow)."""
 
+import gc
 import re
+import weakref
 from unittest import mock
 
 import jax
@@ -8,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diversed_jax.models import ModelConfig, cpu_kernels, init_params, transformer
+from diversed_jax.models import ModelConfig, cpu_kernels, init_params, loading, transformer
 from diversed_jax.speculative import decoder as decoder_lib
-from diversed_jax.speculative import drafts, loop
+from diversed_jax.speculative import build, drafts, loop
 from diversed_jax.speculative.types import VerifyParams
 
 VOCAB = 11
@@ -73,6 +75,25 @@ def test_greedy_speculative_equals_greedy_autoregressive(pair, num_draft, method
   ar = dec.generate(PROMPTS, VerifyParams(method="ar", temperature=0.0), max_new_tokens=12,
                     eos_token_ids=())
   assert ar.token_ids == expected
+
+
+def test_decoders_of_one_target_share_its_decoding_layout(pair):
+  # The evaluation builds up to three decoders for one target: one copy of its decoding
+  # layout between them, not one each.
+  target, draft, draft_params = pair
+  plain = decoder_lib.SpeculativeDecoder(target)
+  speculative = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  assert plain.target_params() is speculative.target_params()
+  loaded = loading.LoadedModel(target.config, target.params, "tiny", "")
+  handle = build.model_handle(loaded)
+  assert build.model_handle(loaded) is handle
+  assert build.model_handle(loading.LoadedModel(target.config, target.params, "tiny", "")) \
+      is not handle
+  # The registry keeps no loaded model alive.
+  alive = weakref.ref(loaded)
+  del loaded
+  gc.collect()
+  assert alive() is None
 
 
 def test_unstacked_decoding_layout_gives_the_same_results(pair):

@@ -17,6 +17,8 @@ import transformers
 from diversed_jax.models import (KVCache, config as config_lib, cpu_kernels, hf_layout, init,
                                  kv_cache, products, transformer)
 
+from tests.q8 import q8_0_weights
+
 VOCAB, BATCH, SEQ = 97, 2, 32
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -241,10 +243,7 @@ def test_decoding_layout_reads_a_q8_embedding_as_int8_with_the_same_logits():
   stacked layout it converts back to has no trace of it."""
   cfg, params, tokens_bt, _ = case("llama_tied")
   rng = np.random.default_rng(0)
-  q = rng.integers(-127, 128, (VOCAB, cfg.hidden_size)).astype(np.float32)
-  q[:, ::32] = 127
-  scale = rng.uniform(0.01, 0.05, (VOCAB, cfg.hidden_size // 32)).astype(np.float16)
-  embed = (q.reshape(VOCAB, -1, 32) * scale.astype(np.float32)[..., None]).reshape(q.shape)
+  _, _, embed = q8_0_weights(rng, VOCAB, cfg.hidden_size, (0.01, 0.05))
   q8_params = {**params, "embed": jnp.asarray(embed)}
   flat = transformer.unstack_layers(q8_params)
   assert isinstance(flat["tied_head_oi"], products.Int8Rows)

@@ -7,6 +7,8 @@ import pytest
 
 from diversed_jax.models import cpu_kernels, products
 
+from tests.q8 import q8_0_weights
+
 
 def _primitives(fn, *args):
   return {eqn.primitive.name for eqn in jax.make_jaxpr(fn)(*args).eqns}
@@ -79,10 +81,7 @@ def test_few_row_forms_have_gradients(few_row_form):
 
 def test_int8_rows_keep_exactly_what_they_can():
   rng = np.random.default_rng(3)
-  q = rng.integers(-127, 128, (6, 64)).astype(np.float32)
-  q[:, ::32] = 127  # each block's largest magnitude sets its scale, as in Q8_0
-  scale = rng.uniform(0.001, 0.05, (6, 2)).astype(np.float16).astype(np.float32)
-  w = (q.reshape(6, 2, 32) * scale[..., None]).reshape(6, 64)
+  _, _, w = q8_0_weights(rng, 6, 64)
   rows = products.Int8Rows.from_exact(w)
   assert rows is not None and rows.q_oi.dtype == jnp.int8 and rows.shape == (6, 64)
   np.testing.assert_array_equal(rows.dequantize(), w)
@@ -97,10 +96,7 @@ def test_narrow_weights_give_the_float32_products(few_row_form):
   w16 = jnp.asarray(rng.standard_normal((10, 64)), jnp.float16)
   np.testing.assert_array_equal(jax.jit(products.matmul_oi)(x, w16),
                                 jax.jit(products.matmul_oi)(x, w16.astype(jnp.float32)))
-  q = rng.integers(-127, 128, (10, 64)).astype(np.float32)
-  q[:, ::32] = 127
-  scale = rng.uniform(0.001, 0.05, (10, 2)).astype(np.float16).astype(np.float32)
-  w = (q.reshape(10, 2, 32) * scale[..., None]).reshape(10, 64)
+  _, _, w = q8_0_weights(rng, 10, 64)
   rows = products.Int8Rows.from_exact(w)
   np.testing.assert_array_equal(jax.jit(products.matmul_oi)(x, rows),
                                 jax.jit(products.matmul_oi)(x, jnp.asarray(w)))

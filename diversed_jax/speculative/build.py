@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -118,6 +119,21 @@ def load_head(head_spec: str | None, target_name: str, draft_spec: str, task: st
   return weight_fn, params, head_spec
 
 
+# One ModelHandle per loaded target (by identity, while it lives), so that every decoder
+# built for it shares one copy of its decoding layout: the evaluation builds up to three.
+_HANDLES: dict[int, tuple[weakref.ref, ModelHandle]] = {}
+
+
+def model_handle(target: loading.LoadedModel) -> ModelHandle:
+  """The handle of `target` that the decoders built for it share."""
+  key = id(target)
+  if key in _HANDLES and _HANDLES[key][0]() is target:
+    return _HANDLES[key][1]
+  handle = ModelHandle(target.config, target.params)
+  _HANDLES[key] = (weakref.ref(target, lambda _: _HANDLES.pop(key, None)), handle)
+  return handle
+
+
 def build_decoder(target: loading.LoadedModel, draft_spec: str | None = None,
                   head_spec: str | None = None, task: str | None = None,
                   need_draft: bool = True, shrink_tail: bool = False,
@@ -125,7 +141,7 @@ def build_decoder(target: loading.LoadedModel, draft_spec: str | None = None,
   """A decoder for `target` and a dict describing what was resolved (`shrink_tail`,
   `matmul_precision`: see `SpeculativeDecoder`)."""
   info = {"target": target.name}
-  handle = ModelHandle(target.config, target.params)
+  handle = model_handle(target)
   options = dict(shrink_tail=shrink_tail, matmul_precision=matmul_precision)
   if not need_draft:
     return SpeculativeDecoder(handle, **options), info

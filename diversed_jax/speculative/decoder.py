@@ -8,6 +8,7 @@ compiled program), runs `loop.decode` and returns plain Python/numpy results.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Sequence
 
@@ -56,10 +57,18 @@ class Generation:
     return sum(len(t) for t in self.token_ids)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ModelHandle:
+  """A target's config and parameters (stacked layers, as loaded)."""
   config: ModelConfig
   params: Any
+
+  @functools.cached_property
+  def decoding_params(self):
+    """The parameters in the decoding layout (`transformer.unstack_layers`): a second
+    copy of the weights (537 MB for SmolLM2-135M), made on first use and shared by every
+    decoder of this handle."""
+    return transformer.unstack_layers(self.params)
 
 
 class SpeculativeDecoder:
@@ -73,11 +82,12 @@ class SpeculativeDecoder:
     (the batch must divide by its size) and parameters replicated.
 
     `unstack`: run the models with unrolled per-layer weights
-    (`transformer.unstack_layers`, a second copy of the target's weights made on first
-    use). On CPU this makes one-token steps 1.4-1.6x faster (XLA copies stacked weights out
-    of the scan every step), and its [out, in] matrices let the (K+1)-token verification
-    take the fused few-row products of `models.products` (one row's verification of 4-5
-    tokens: 20-30% faster than stacked). False keeps the caller's layout everywhere.
+    (`ModelHandle.decoding_params`, a second copy of the target's weights made on first
+    use, shared by the decoders of one handle). On CPU this makes one-token steps
+    1.4-1.6x faster (XLA copies stacked weights out of the scan every step), and its
+    [out, in] matrices let the (K+1)-token verification take the fused few-row products
+    of `models.products` (one row's verification of 4-5 tokens: 20-30% faster than
+    stacked). False keeps the caller's layout everywhere.
 
     `prefill_chunk`: prompt tokens per prefill pass (`loop.decode`).
 
@@ -113,15 +123,10 @@ class SpeculativeDecoder:
     self.weight_fn = weight_fn
     self.head_params = head_params
     self._executables: dict = {}  # compiled programs, one per (spec, prompt bucket)
-    self._unstacked_target = None
 
   def target_params(self):
     """The target's parameters in the decoding layout (see `unstack`)."""
-    if not self.unstack:
-      return self.target.params
-    if self._unstacked_target is None:
-      self._unstacked_target = transformer.unstack_layers(self.target.params)
-    return self._unstacked_target
+    return self.target.decoding_params if self.unstack else self.target.params
 
   def _spec(self, verify: VerifyParams, num_draft: int, max_new_tokens: int,
             eos_token_ids) -> loop.LoopSpec:
