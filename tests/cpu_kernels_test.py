@@ -32,8 +32,8 @@ def _random(rng, *shape):
 
 # Shapes cover every row group (1-4 rows in one pass; more in groups of up to 4 and a
 # remainder; groups of 2 and 1 where `in` is long) and, on AVX-512 hosts, the tiles (from 3
-# rows: groups of 3 to 6 rows, full and partial columns), `in` with and without a last 8-float step past
-# a multiple of 16 and a scalar tail, `out` split into uneven chunks.
+# rows: groups of 3 to 6 rows, full and partial columns), `in` with and without a last
+# 8-float step past a multiple of 16 and a scalar tail, `out` split into uneven chunks.
 @needs_kernel
 @pytest.mark.parametrize("rows,size_in,size_out", [
     (1, 576, 960), (2, 64, 13), (3, 40, 7), (4, 576, 3072), (5, 1536, 576), (6, 24, 30),

@@ -253,3 +253,11 @@ def test_decoding_layout_reads_a_q8_embedding_as_int8_with_the_same_logits():
   np.testing.assert_array_equal(transformer.forward_jit(flat, cfg, step)[0],
                                 transformer.forward_jit(plain, cfg, step)[0])
   assert set(transformer.stack_layers(flat)) == set(q8_params)
+
+
+@pytest.mark.skipif(not cpu_kernels.runs_here(jnp.float32), reason="no few-row kernel here")
+def test_decoding_layout_keeps_no_int8_head_for_an_untied_model():
+  # Its logits come from lm_head, so an int8 copy of the embedding would go unused.
+  cfg, params, _, _ = case("llama")
+  _, _, embed = q8_0_weights(np.random.default_rng(0), VOCAB, cfg.hidden_size)
+  assert "tied_head_oi" not in transformer.unstack_layers({**params, "embed": jnp.asarray(embed)})

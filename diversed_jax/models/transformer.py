@@ -290,7 +290,8 @@ def unstack_layers(params: Params, fuse: bool = True) -> Params:
   num_layers = len(next(iter(stacked.values())))
   out = dict(params)
   out["layers"] = tuple({k: v[i] for k, v in stacked.items()} for i in range(num_layers))
-  if "embed" in params and cpu_kernels.runs_here(params["embed"].dtype):
+  tied = "embed" in params and "lm_head" not in params  # an untied model's head is lm_head
+  if tied and cpu_kernels.runs_here(params["embed"].dtype):
     head = products.Int8Rows.from_exact(params["embed"])
     if head is not None:
       out["tied_head_oi"] = head
