@@ -12,22 +12,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402  (after the platform is chosen)
 import pytest  # noqa: E402
 
-
-def _read_int(path: str, default: int) -> int:
-  try:
-    with open(path) as f:
-      return int(f.read())
-  except (OSError, ValueError):
-    return default
-
-
-def _mapping_count() -> int:
-  """Memory mappings of this process (0 where /proc is absent: no limit to watch)."""
-  try:
-    with open("/proc/self/maps") as f:
-      return sum(1 for _ in f)
-  except OSError:
-    return 0
+from diversed_jax.speculative.programs import mapping_count, mapping_limit  # noqa: E402
 
 
 # XLA:CPU maps each compiled kernel's code and data into the process, and jit's caches keep
@@ -37,14 +22,14 @@ def _mapping_count() -> int:
 # caches are dropped, which frees the programs no test holds any more (tests recompile what
 # they need); growth is counted from the last drop, so programs a module's fixtures still
 # hold do not make every later test drop the caches again.
-_GROWTH_ALLOWED = _read_int("/proc/sys/vm/max_map_count", 65530) // 4
-_drop_above = [_mapping_count() + _GROWTH_ALLOWED]
+_GROWTH_ALLOWED = mapping_limit() // 4
+_drop_above = [mapping_count() + _GROWTH_ALLOWED]
 
 
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
   yield
-  if _mapping_count() > _drop_above[0]:
+  if mapping_count() > _drop_above[0]:
     jax.clear_caches()
     gc.collect()
-    _drop_above[0] = _mapping_count() + _GROWTH_ALLOWED
+    _drop_above[0] = mapping_count() + _GROWTH_ALLOWED

@@ -330,7 +330,7 @@ def test_compiles_once_per_prompt_bucket(pair):
   second = dec.generate([[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 1]], vp, num_draft=2,
                         max_new_tokens=8)
   assert first.compile_seconds > 0 and second.compile_seconds == 0
-  assert len(dec._executables) == 1
+  assert len(dec.programs) == 1
   assert len(second.token_ids) == 2
 
 
@@ -347,7 +347,7 @@ def test_matmul_precision_reaches_the_compiled_loop(pair, precision, monkeypatch
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params, matmul_precision=precision)
   dec.generate([[1, 2, 3]], VerifyParams(method="sd", temperature=0.0), num_draft=2,
                max_new_tokens=4)
-  (program,) = dec._executables.values()
+  (program,) = dec.programs.values()
   dots = [line for line in program.as_text().splitlines() if " dot(" in line]
   assert dots, "no XLA product in the program: the check below would be empty"
   marked = ["operand_precision={highest,highest}" in line for line in dots]
@@ -355,7 +355,7 @@ def test_matmul_precision_reaches_the_compiled_loop(pair, precision, monkeypatch
   dec.matmul_precision = "default" if precision == "highest" else "highest"
   dec.generate([[1, 2, 3]], VerifyParams(method="sd", temperature=0.0), num_draft=2,
                max_new_tokens=4)
-  assert len(dec._executables) == 2, "a changed precision reused the old program"
+  assert len(dec.programs) == 2, "a changed precision reused the old program"
 
 
 def test_unknown_matmul_precision_is_refused(pair):

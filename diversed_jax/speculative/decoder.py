@@ -20,7 +20,7 @@ from diversed_jax.models import transformer
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
 from diversed_jax.parallel import mesh as mesh_lib
-from diversed_jax.speculative import loop, metrics
+from diversed_jax.speculative import loop, metrics, programs
 from diversed_jax.speculative.types import VerifyParams
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -122,7 +122,8 @@ class SpeculativeDecoder:
     self.draft_params = draft_params
     self.weight_fn = weight_fn
     self.head_params = head_params
-    self._executables: dict = {}  # compiled programs, one per (spec, prompt bucket)
+    # Compiled programs, one per (spec, prompt bucket, ...), released under pressure.
+    self.programs = programs.ProgramCache()
 
   def target_params(self):
     """The target's parameters in the decoding layout (see `unstack`)."""
@@ -174,16 +175,18 @@ class SpeculativeDecoder:
                   weight_fn=self.weight_fn if verify.method == "diversed" else None,
                   cache_len=cache_len, batch_size=batch_size, prefill_chunk=self.prefill_chunk,
                   tail_widths=tail_widths)
-    compile_seconds = 0.0
     signature = (spec, tokens.shape, cache_len, batch_size, tail_widths,
                  self.matmul_precision)
-    if signature not in self._executables:
-      start = time.perf_counter()
+
+    def compile_program():
       with jax.default_matmul_precision(self.matmul_precision):
-        self._executables[signature] = loop.decode.lower(*args, **kwargs).compile()
-      compile_seconds = time.perf_counter() - start
+        return loop.decode.lower(*args, **kwargs).compile()
+
     start = time.perf_counter()
-    result = jax.block_until_ready(self._executables[signature](*args))
+    program, compiled = self.programs.get(signature, compile_program)
+    compile_seconds = time.perf_counter() - start if compiled else 0.0
+    start = time.perf_counter()
+    result = jax.block_until_ready(program(*args))
     seconds = time.perf_counter() - start
     result = jax.device_get(result)
     rounds = int(result.num_rounds)
