@@ -1,6 +1,7 @@
 """The speculative loop end to end on tiny random models, plus the real SmolLM2 (slow)."""
 
 import gc
+import os
 import re
 import weakref
 from unittest import mock
@@ -12,7 +13,7 @@ import pytest
 
 from diversed_jax.models import ModelConfig, cpu_kernels, init_params, loading, transformer
 from diversed_jax.speculative import decoder as decoder_lib
-from diversed_jax.speculative import build, drafts, loop
+from diversed_jax.speculative import build, drafts, loop, programs
 from diversed_jax.speculative.types import VerifyParams
 
 VOCAB = 11
@@ -332,6 +333,39 @@ def test_compiles_once_per_prompt_bucket(pair):
   assert first.compile_seconds > 0 and second.compile_seconds == 0
   assert len(dec.programs) == 1
   assert len(second.token_ids) == 2
+
+
+SETTINGS = [VerifyParams(method="lossy", lenience=lenience) for lenience in (0.3, 0.5, 0.7)]
+
+
+def _decode_settings(dec):
+  return [dec.generate([[1, 2, 3, 4]], vp, num_draft=2, max_new_tokens=6, seed=1).token_ids
+          for vp in SETTINGS]
+
+
+def test_a_decoder_under_mapping_pressure_keeps_few_programs_and_the_same_results(
+    pair, monkeypatch):
+  expected = _decode_settings(decoder_lib.SpeculativeDecoder(*pair))
+  monkeypatch.setattr(programs, "mapping_limit", lambda: 0)  # every compile releases
+  dec = decoder_lib.SpeculativeDecoder(*pair)
+  assert _decode_settings(dec) == expected
+  assert len(dec.programs) == 2  # the latest before the last compile, and the last
+  assert _decode_settings(dec) == expected  # recompiled where dropped
+
+
+@pytest.mark.skipif(not os.path.exists(programs._MAPS), reason="needs Linux's /proc")
+def test_releasing_frees_the_programs_mappings(pair):
+  """What the release is for: the mappings of dropped programs go back to the system
+  (jax's caches hold every program too, so trimming the decoder's alone frees none)."""
+  jax.clear_caches()
+  dec = decoder_lib.SpeculativeDecoder(*pair)
+  before = programs.mapping_count()
+  _decode_settings(dec)
+  grown = programs.mapping_count() - before
+  assert grown > 100, grown  # three programs of a few dozen kernels each
+  assert programs.release_under_pressure(fraction=0.0)
+  assert len(dec.programs) == 1
+  assert programs.mapping_count() - before < grown / 2
 
 
 @pytest.mark.parametrize("precision", ["highest", "default"])
