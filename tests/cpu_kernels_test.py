@@ -62,6 +62,41 @@ def test_a_rows_result_does_not_depend_on_its_companions(size_in):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_tiles_and_row_streams_give_the_same_bits(dtype):
+  # Each vendor's cores take register tiles from a different number of rows (measured);
+  # a row's logits, and so greedy decoding, must not depend on which path a host takes.
+  if cpu_kernels.tile_rows() == 0:
+    pytest.skip("no AVX-512: row streams only")
+  rng = np.random.default_rng(4)
+  size_in = 576 + 8 + 3  # 16-float steps, a last 8-float step and a scalar tail
+  if dtype == "int8":
+    size_in = 576
+    q, scale, _ = q8_0_weights(rng, 300, size_in)
+    product = jax.jit(lambda x: cpu_kernels.few_row_matmul_int8(x, q, scale))
+  else:
+    w_oi = _random(rng, 300, size_in).astype(dtype)
+    product = jax.jit(lambda x: cpu_kernels.few_row_matmul(x, w_oi))
+  x = _random(rng, 7, size_in)
+  for rows in range(1, 8):
+    with cpu_kernels.min_tile_rows(1):  # materialised inside: dispatch is asynchronous
+      tiled = np.asarray(product(x[:rows]))
+      assert cpu_kernels.tile_rows() == 1
+    with cpu_kernels.min_tile_rows(1 << 30):
+      streamed = np.asarray(product(x[:rows]))
+      assert cpu_kernels.tile_rows() == 1 << 30
+    np.testing.assert_array_equal(tiled, streamed, err_msg=f"{rows} rows")
+  assert cpu_kernels.tile_rows() in (1, 3)  # the host's default is back
+
+
+@needs_kernel
+def test_min_tile_rows_names_a_bad_value():
+  with pytest.raises(ValueError, match="rows must be at least 1, got 0"):
+    with cpu_kernels.min_tile_rows(0):
+      pass
+
+
+@needs_kernel
 def test_kernel_gradients_and_vmap_match_the_plain_product():
   rng = np.random.default_rng(2)
   x, w_oi = _random(rng, 3, 16), _random(rng, 5, 16)

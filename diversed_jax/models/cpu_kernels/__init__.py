@@ -17,6 +17,7 @@ choose that path on purpose.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -90,22 +91,29 @@ def available() -> bool:
   return os.environ.get(ENV_SWITCH, "1") != "0" and _built()
 
 
-@functools.cache
 def _built() -> bool:
+  return _library() is not None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+  """The kernels' library, compiled, loaded and registered; None where they cannot run."""
   if platform.machine().lower() not in ("x86_64", "amd64"):
-    return False
+    return None
   compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if compiler is None:
     logging.warning("cpu_kernels: no C++ compiler found; XLA's own ops are used.")
-    return False
+    return None
   try:
     library = ctypes.cdll.LoadLibrary(str(_compile(compiler)))
   except (OSError, RuntimeError) as error:
     logging.warning("cpu_kernels: could not build the kernels (%s); XLA's own ops are used.",
                     error)
-    return False
+    return None
   if not library.FewRowMatmulSupported():
-    return False
+    return None
+  library.FewRowMatmulMinTileRows.restype = ctypes.c_int64
+  library.FewRowMatmulSetMinTileRows.argtypes = [ctypes.c_int64]
   jax.ffi.register_ffi_target(_MATMUL_TARGET, jax.ffi.pycapsule(library.FewRowMatmulHandler),
                               platform="cpu")
   jax.ffi.register_ffi_target(_MATMUL_F16_TARGET,
@@ -114,7 +122,31 @@ def _built() -> bool:
                               jax.ffi.pycapsule(library.FewRowMatmulInt8Handler), platform="cpu")
   jax.ffi.register_ffi_target(_ATTENTION_TARGET,
                               jax.ffi.pycapsule(library.FewQueryAttentionHandler), platform="cpu")
-  return True
+  return library
+
+
+@contextlib.contextmanager
+def min_tile_rows(rows: int):
+  """Within it, `few_row_matmul` multiplies `rows` or more rows in register tiles and
+  fewer in row streams (on AVX-512 hosts; elsewhere always row streams). Outside it the
+  kernel uses its host's measured default (see `few_row_matmul.cc`, `MinTileRows`): the
+  results are bitwise the same either way, only the speed differs. For tests and
+  measurements; call only where `available()` is True.
+  """
+  if rows < 1:
+    raise ValueError(f"min_tile_rows: rows must be at least 1, got {rows}")
+  library = _library()
+  library.FewRowMatmulSetMinTileRows(rows)
+  try:
+    yield
+  finally:
+    library.FewRowMatmulSetMinTileRows(0)
+
+
+def tile_rows() -> int:
+  """The rows from which `few_row_matmul` now uses register tiles: the host's default, or
+  `min_tile_rows`' within it; 0 on hosts without AVX-512 (never)."""
+  return int(_library().FewRowMatmulMinTileRows())
 
 
 def _call(x_mi: jax.Array, w_oi: jax.Array) -> jax.Array:

@@ -5,9 +5,10 @@
 // that take 1.5-2.5x as long, though all read the same weights once. Verifying K drafted
 // tokens is such a product, so its cost sets the speed-up of speculative decoding on CPU.
 // This kernel streams each weight row once, multiplies it into every row of x (read from
-// L1), and splits the output rows over XLA's intra-op thread pool; on AVX-512 hosts, 3+
-// rows go through register tiles instead (`Tiles`). It also serves one row, as fast as
-// XLA's GEMV or faster, so decoding and verification share one product.
+// L1), and splits the output rows over XLA's intra-op thread pool; on AVX-512 hosts, rows
+// go through register tiles instead (`Tiles`: from 3 rows on AMD, from 1 on Intel, as
+// measured). It also serves one row, as fast as XLA's GEMV or faster, so decoding and
+// verification share one product.
 //
 // Every y[m, o] is accumulated in the same order whatever the number of rows and however
 // the work is split: two 8-lane accumulators over alternate 8-float steps of i (a last
@@ -24,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "parallel_chunks.h"
@@ -281,12 +283,6 @@ void Tiles(const float* x, const M& w, float* y, int64_t rows, int64_t in, int64
   }
 }
 
-// Rows from which AVX-512 hosts use Tiles. One or two rows are bound by the weights' memory
-// stream, which RowGroup's single forward stream serves best. From three rows RowGroup's
-// load per FMA makes its compute fall behind the stream (3-4 rows took 1.3-1.4x one row's
-// time on a 2-core Zen 4 host, the tiles 1.08-1.11x).
-constexpr int64_t kMinTileRows = 3;
-
 bool HasAvx512() {
   static const bool has = [] {
     __builtin_cpu_init();
@@ -295,14 +291,34 @@ bool HasAvx512() {
   return has;
 }
 
-// All `rows` rows of x against output rows [o_begin, o_end). From kMinTileRows rows on
+// Rows from which AVX-512 hosts use Tiles, chosen by measurement on each vendor's cores:
+// - AMD (2-core Zen 4, 256-bit FMA units): 3. One or two rows are bound by the weights'
+//   memory stream, which RowGroup's single forward stream serves best (2 rows: 18.8 ms
+//   against 20.6 as tiles); from three rows RowGroup's load per FMA makes its compute fall
+//   behind the stream (3-4 rows took 1.3-1.4x one row's time, the tiles 1.08-1.11x).
+// - Intel (2-core Xeon, Emerald Rapids, two 512-bit FMA ports): 1. The tiles' prefetched
+//   4-row columns stream the weights faster than RowGroup even for one row: a one-row
+//   target forward 15.4-17.8 ms against 21.3, two rows 17.1-17.9 against 25.3-25.8.
+// FewRowMatmulSetMinTileRows overrides it (tests compare both paths' bits on one host).
+std::atomic<int64_t> min_tile_rows{0};  // 0: the vendor's default
+
+int64_t MinTileRows() {
+  static const int64_t vendor_default = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? int64_t{1} : int64_t{3};
+  }();
+  const int64_t rows = min_tile_rows.load(std::memory_order_relaxed);
+  return rows > 0 ? rows : vendor_default;
+}
+
+// All `rows` rows of x against output rows [o_begin, o_end). From MinTileRows() rows on
 // AVX-512 hosts: Tiles. Otherwise, rows whose x fits in kRowBytesPerPass (at most 4): one
 // pass; more: blocks of ~64 KB of weights, each multiplied by every group of rows before
 // the next, so groups after the first read it from cache.
 template <typename M>
 void Chunk(const float* x, const M& w, float* y, int64_t rows, int64_t in, int64_t out,
            int64_t o_begin, int64_t o_end) {
-  if (rows >= kMinTileRows && HasAvx512()) {
+  if (HasAvx512() && rows >= MinTileRows()) {
     Tiles(x, w, y, rows, in, out, o_begin, o_end);
     return;
   }
@@ -395,6 +411,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FewRowMatmulInt8Handler, FewRowMatmulInt8,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// The rows from which products use register tiles (0 if this host has no AVX-512, where
+// they never do), and an override of it: rows > 0 sets it, 0 restores the vendor's
+// default. For tests and measurements; set it between calls, not during one.
+extern "C" int64_t FewRowMatmulMinTileRows() { return HasAvx512() ? MinTileRows() : 0; }
+
+extern "C" void FewRowMatmulSetMinTileRows(int64_t rows) {
+  min_tile_rows.store(std::max<int64_t>(rows, 0), std::memory_order_relaxed);
+}
 
 // Whether this CPU runs the kernel (AVX2, FMA and F16C), asked before registering it.
 extern "C" int FewRowMatmulSupported() {
