@@ -113,6 +113,7 @@ def test_kernel_gradients_and_vmap_match_the_plain_product():
 def test_switched_off_by_the_environment(monkeypatch):
   monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
   assert not cpu_kernels.available()
+  assert cpu_kernels.tile_rows() == 0  # no kernel, no tiles
 
 
 def _attention_float64(q, k, v, positions, scale):

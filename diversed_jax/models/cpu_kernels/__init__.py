@@ -131,11 +131,13 @@ def min_tile_rows(rows: int):
   fewer in row streams (on AVX-512 hosts; elsewhere always row streams). Outside it the
   kernel uses its host's measured default (see `few_row_matmul.cc`, `MinTileRows`): the
   results are bitwise the same either way, only the speed differs. For tests and
-  measurements; call only where `available()` is True.
+  measurements.
   """
   if rows < 1:
     raise ValueError(f"min_tile_rows: rows must be at least 1, got {rows}")
   library = _library()
+  if library is None:
+    raise RuntimeError("min_tile_rows: the CPU kernels are not available on this host")
   library.FewRowMatmulSetMinTileRows(rows)
   try:
     yield
@@ -145,8 +147,9 @@ def min_tile_rows(rows: int):
 
 def tile_rows() -> int:
   """The rows from which `few_row_matmul` now uses register tiles: the host's default, or
-  `min_tile_rows`' within it; 0 on hosts without AVX-512 (never)."""
-  return int(_library().FewRowMatmulMinTileRows())
+  `min_tile_rows`' within it; 0 where it never does (no AVX-512, or the kernels not
+  `available()`)."""
+  return int(_library().FewRowMatmulMinTileRows()) if available() else 0
 
 
 def _call(x_mi: jax.Array, w_oi: jax.Array) -> jax.Array:
