@@ -179,10 +179,10 @@ constexpr int64_t kRowBytesPerPass = 16384;
 // groups read the block from L2.
 constexpr int64_t kBlockFloats = 16384;
 
-// Three or more rows on AVX-512 hosts: tiles of MR rows of x by NR weight rows, one 16-lane
-// accumulator per output. Its lanes 0-7 and 8-15 are exactly RowGroup's even and odd
-// accumulators (a 16-float step is an even and an odd 8-float step), so every output has
-// the same bits as in RowGroup. A 4 x 4 tile issues 16 FMAs per 8 loads (6 x 4: 24 per
+// From MinTileRows() rows on AVX-512 hosts: tiles of MR rows of x by NR weight rows, one
+// 16-lane accumulator per output. Its lanes 0-7 and 8-15 are exactly RowGroup's even and
+// odd accumulators (a 16-float step is an even and an odd 8-float step), so every output
+// has the same bits as in RowGroup. A 4 x 4 tile issues 16 FMAs per 8 loads (6 x 4: 24 per
 // 10), against one load per FMA in RowGroup, where rows share only the weight loads.
 // Compute-bound products (verifying a batch) run at close to the FMA rate.
 template <int MR, int NR, typename M>
