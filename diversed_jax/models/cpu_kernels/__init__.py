@@ -88,11 +88,7 @@ def available() -> bool:
 
   Read when a caller is traced: set DIVERSED_JAX_CPU_KERNELS before the first compilation.
   """
-  return os.environ.get(ENV_SWITCH, "1") != "0" and _built()
-
-
-def _built() -> bool:
-  return _library() is not None
+  return os.environ.get(ENV_SWITCH, "1") != "0" and _library() is not None
 
 
 @functools.cache
