@@ -7,9 +7,9 @@
 // Why: XLA:CPU has no grouped-query product that reads the cache in place, so the model's
 // flat form scores every query head against every kv head (Hkv times the work) and its
 // per-layer fusions took 3.5 of a 19 ms decoding step at batch 1, 7.5 of 28 ms when
-// verifying 3 drafts, and ~20 of 57 ms at batch 8 on a 2-core host. Here each (sequence,
-// token, kv head) is one unit of work that reads only the visible slots of its head once
-// per query and stays in L1/L2.
+// verifying 3 drafts, and ~20 of 57 ms at batch 8 on a 2-core host. Here a unit of work
+// (a row's kv head) reads only the visible slots, block by block, each block once for all
+// of its queries (every token and query head).
 //
 // Every output is computed in the same order whatever the number of tokens, rows or
 // threads: scores over aligned blocks of 8 slots (one 8-lane FMA chain per slot over Dh, a
@@ -77,79 +77,150 @@ struct Shape {
   int64_t batch, tokens, kv_heads, group, head_dim, slots;
 };
 
-// One unit: the G queries of token t of row b that share kv head j. `scratch` holds G
-// rows of `padded` floats (scores, then probabilities).
-void Unit(const Shape& d, const float* q, const float* k, const float* v, int32_t position,
-          float scale, float* out, float* scratch, const float* zeros) {
-  const int64_t dh = d.head_dim, vecs = dh / 8, stride = d.kv_heads * dh;  // slot stride
-  const int64_t visible = std::clamp<int64_t>(int64_t{position} + 1, 0, d.slots);
-  const int64_t blocks = (visible + 7) / 8, padded = blocks * 8;
-  if (visible == 0) {
-    std::fill(out, out + d.group * dh, 0.0f);
-    return;
+// The scores of one query over the 8 slots of `block`: one FMA chain per slot over Dh, the
+// 8 chains interleaved (one after the other, each waited on its FMAs' latency: 4x slower),
+// then one reduction. Slots past the visible ones in a query's last block are computed
+// (from the cache, or zeros past its end) and masked by the softmax.
+inline void BlockScores(const Shape& d, const float* q, const float* k, int64_t block,
+                        float scale, float* scores, const float* zeros) {
+  const int64_t vecs = d.head_dim / 8, stride = d.kv_heads * d.head_dim;  // slot stride
+  const float* k_s[8];
+  for (int i = 0; i < 8; ++i) {
+    const int64_t s = block * 8 + i;
+    k_s[i] = s < d.slots ? k + s * stride : zeros;
   }
-  for (int64_t g = 0; g < d.group; ++g) {
-    const float* q_g = q + g * dh;
-    float* scores = scratch + g * padded;
-    // Scores, 8 slots at a time: one FMA chain per slot over Dh, then one reduction. Slots
-    // past the visible ones in the last block are computed (from the cache, or zeros past
-    // its end) and masked below.
-    for (int64_t block = 0; block < blocks; ++block) {
-      __m256 acc[8];
-      for (int i = 0; i < 8; ++i) {
-        const int64_t s = block * 8 + i;
-        const float* k_s = s < d.slots ? k + s * stride : zeros;
-        acc[i] = _mm256_mul_ps(_mm256_loadu_ps(q_g), _mm256_loadu_ps(k_s));
-        for (int64_t c = 1; c < vecs; ++c) {
-          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q_g + 8 * c), _mm256_loadu_ps(k_s + 8 * c),
-                                   acc[i]);
-        }
-      }
-      _mm256_storeu_ps(scores + block * 8,
-                       _mm256_mul_ps(Transpose8Sum(acc), _mm256_set1_ps(scale)));
-    }
-    // Softmax over the visible slots; the masked tail of the last block gets probability 0.
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 tail_visible = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-        _mm256_set1_epi32(static_cast<int32_t>(visible - (blocks - 1) * 8)), lane));
-    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
-    __m256 max_v = minus_inf;
-    for (int64_t block = 0; block < blocks; ++block) {
-      __m256 s = _mm256_loadu_ps(scores + block * 8);
-      if (block == blocks - 1) s = _mm256_blendv_ps(minus_inf, s, tail_visible);
-      max_v = _mm256_max_ps(max_v, s);
-    }
-    const __m256 max_s = _mm256_set1_ps(LaneMax(max_v));
-    __m256 sum_v = _mm256_setzero_ps();
-    for (int64_t block = 0; block < blocks; ++block) {
-      __m256 e = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(scores + block * 8), max_s));
-      if (block == blocks - 1) e = _mm256_and_ps(e, tail_visible);
-      _mm256_storeu_ps(scores + block * 8, e);
-      sum_v = _mm256_add_ps(sum_v, e);
-    }
-    const __m256 inv_sum = _mm256_set1_ps(1.0f / LaneSum(sum_v));
-    for (int64_t block = 0; block < blocks; ++block) {
-      _mm256_storeu_ps(scores + block * 8,
-                       _mm256_mul_ps(_mm256_loadu_ps(scores + block * 8), inv_sum));
+  __m256 acc[8];
+  const __m256 q0 = _mm256_loadu_ps(q);
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_mul_ps(q0, _mm256_loadu_ps(k_s[i]));
+  for (int64_t c = 1; c < vecs; ++c) {
+    const __m256 q_c = _mm256_loadu_ps(q + 8 * c);
+    for (int i = 0; i < 8; ++i) {
+      acc[i] = _mm256_fmadd_ps(q_c, _mm256_loadu_ps(k_s[i] + 8 * c), acc[i]);
     }
   }
-  // Values, slot by slot, for Dh in slices of up to 8 vectors (the accumulators stay in
-  // registers); each output lane's sum runs over the slots in order.
-  for (int64_t g = 0; g < d.group; ++g) {
-    const float* probs = scratch + g * padded;
-    float* out_g = out + g * dh;
-    for (int64_t c0 = 0; c0 < vecs; c0 += 8) {
-      const int64_t width = std::min<int64_t>(8, vecs - c0);
-      __m256 acc[8];
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-      for (int64_t s = 0; s < visible; ++s) {
-        const __m256 p = _mm256_broadcast_ss(probs + s);
-        const float* v_s = v + s * stride + 8 * c0;
-        for (int c = 0; c < width; ++c) {
-          acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v_s + 8 * c), acc[c]);
-        }
+  _mm256_storeu_ps(scores + block * 8,
+                   _mm256_mul_ps(Transpose8Sum(acc), _mm256_set1_ps(scale)));
+}
+
+// Scores [blocks * 8] of `visible` slots (> 0) to probabilities in place; the masked tail
+// of the last block gets probability 0.
+inline void Softmax(float* scores, int64_t visible) {
+  const int64_t blocks = (visible + 7) / 8;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 tail_visible = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+      _mm256_set1_epi32(static_cast<int32_t>(visible - (blocks - 1) * 8)), lane));
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  __m256 max_v = minus_inf;
+  for (int64_t block = 0; block < blocks; ++block) {
+    __m256 s = _mm256_loadu_ps(scores + block * 8);
+    if (block == blocks - 1) s = _mm256_blendv_ps(minus_inf, s, tail_visible);
+    max_v = _mm256_max_ps(max_v, s);
+  }
+  const __m256 max_s = _mm256_set1_ps(LaneMax(max_v));
+  __m256 sum_v = _mm256_setzero_ps();
+  for (int64_t block = 0; block < blocks; ++block) {
+    __m256 e = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(scores + block * 8), max_s));
+    if (block == blocks - 1) e = _mm256_and_ps(e, tail_visible);
+    _mm256_storeu_ps(scores + block * 8, e);
+    sum_v = _mm256_add_ps(sum_v, e);
+  }
+  const __m256 inv_sum = _mm256_set1_ps(1.0f / LaneSum(sum_v));
+  for (int64_t block = 0; block < blocks; ++block) {
+    _mm256_storeu_ps(scores + block * 8,
+                     _mm256_mul_ps(_mm256_loadu_ps(scores + block * 8), inv_sum));
+  }
+}
+
+// out[0, 8 W) += sum over slots [s_begin, s_end) of probs[s] * v[s, 0:8 W), in slot
+// order, W accumulators in registers; out starts at 0 with the first slot (s_begin == 0).
+template <int W>
+inline void AddValueSlice(const float* probs, const float* v, int64_t stride, int64_t s_begin,
+                          int64_t s_end, float* out) {
+  __m256 acc[W];
+  for (int c = 0; c < W; ++c) {
+    acc[c] = s_begin == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + 8 * c);
+  }
+  for (int64_t s = s_begin; s < s_end; ++s) {
+    const __m256 p = _mm256_broadcast_ss(probs + s);
+    for (int c = 0; c < W; ++c) {
+      acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + s * stride + 8 * c), acc[c]);
+    }
+  }
+  for (int c = 0; c < W; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+// The same over all of Dh, in slices of up to 8 vectors.
+inline void AddValues(const Shape& d, const float* probs, const float* v, int64_t s_begin,
+                      int64_t s_end, float* out) {
+  const int64_t vecs = d.head_dim / 8, stride = d.kv_heads * d.head_dim;
+  for (int64_t c0 = 0; c0 < vecs; c0 += 8) {
+    const float* v_c = v + 8 * c0;
+    float* out_c = out + 8 * c0;
+    switch (std::min<int64_t>(8, vecs - c0)) {
+      case 1: AddValueSlice<1>(probs, v_c, stride, s_begin, s_end, out_c); break;
+      case 2: AddValueSlice<2>(probs, v_c, stride, s_begin, s_end, out_c); break;
+      case 3: AddValueSlice<3>(probs, v_c, stride, s_begin, s_end, out_c); break;
+      case 4: AddValueSlice<4>(probs, v_c, stride, s_begin, s_end, out_c); break;
+      case 5: AddValueSlice<5>(probs, v_c, stride, s_begin, s_end, out_c); break;
+      case 6: AddValueSlice<6>(probs, v_c, stride, s_begin, s_end, out_c); break;
+      case 7: AddValueSlice<7>(probs, v_c, stride, s_begin, s_end, out_c); break;
+      default: AddValueSlice<8>(probs, v_c, stride, s_begin, s_end, out_c); break;
+    }
+  }
+}
+
+// Slots of values per pass over a unit's queries: 32 slots (8 KB at Dh = 64) stay in L1
+// while every query adds them.
+constexpr int64_t kValueBlock = 32;
+
+// One unit: tokens [t_begin, t_end) of one row with the G query heads that share its kv
+// head. Keys and values are read block by block, each block once for all of the unit's
+// queries and reused from L1 (a pass over the cache per query made verifying T tokens cost
+// T decoding steps' attention: 8 rows verifying 1 draft took 9.2 ms over 30 layers, 6.8
+// now). `scratch` holds a row of `padded` floats per query (scores, then
+// probabilities). Every query's arithmetic is the same as alone: the loops over its slots
+// keep their order, only interleaved with other queries'.
+// q, out: the row's [T, Hkv, G, Dh] at kv head j; k, v: its [S, Hkv, Dh] at head j;
+// positions: its [T].
+void Unit(const Shape& d, int64_t t_begin, int64_t t_end, const float* q, const float* k,
+          const float* v, const int32_t* positions, float scale, float* out, float* scratch,
+          const float* zeros) {
+  const int64_t dh = d.head_dim, padded = (d.slots + 7) / 8 * 8;
+  auto visible_of = [&](int64_t t) {
+    return std::clamp<int64_t>(int64_t{positions[t]} + 1, 0, d.slots);
+  };
+  // Query (t, g): its offset in q and out, and its row of scratch.
+  auto offset = [&](int64_t t, int64_t g) { return (t * d.kv_heads * d.group + g) * dh; };
+  auto probs = [&](int64_t t, int64_t g) {
+    return scratch + ((t - t_begin) * d.group + g) * padded;
+  };
+  int64_t most_visible = 0;
+  for (int64_t t = t_begin; t < t_end; ++t) most_visible = std::max(most_visible, visible_of(t));
+  for (int64_t block = 0; block * 8 < most_visible; ++block) {
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      if (block * 8 >= visible_of(t)) continue;
+      for (int64_t g = 0; g < d.group; ++g) {
+        BlockScores(d, q + offset(t, g), k, block, scale, probs(t, g), zeros);
       }
-      for (int c = 0; c < width; ++c) _mm256_storeu_ps(out_g + 8 * (c0 + c), acc[c]);
+    }
+  }
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const int64_t visible = visible_of(t);
+    for (int64_t g = 0; g < d.group; ++g) {
+      if (visible == 0) {
+        std::fill(out + offset(t, g), out + offset(t, g) + dh, 0.0f);
+      } else {
+        Softmax(probs(t, g), visible);
+      }
+    }
+  }
+  for (int64_t s0 = 0; s0 < most_visible; s0 += kValueBlock) {
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t s_end = std::min(s0 + kValueBlock, visible_of(t));
+      if (s0 >= s_end) continue;
+      for (int64_t g = 0; g < d.group; ++g) {
+        AddValues(d, probs(t, g), v, s0, s_end, out + offset(t, g));
+      }
     }
   }
 }
@@ -174,21 +245,27 @@ ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const float* v_data = v.typed_data();
   const int32_t* pos_data = positions.typed_data();
   float* out_data = out->typed_data();
-  // Units (b, t, j) in chunks, a few per thread; a unit's result does not depend on
-  // which thread runs it.
-  const int64_t num_units = d.batch * d.tokens * d.kv_heads;
+  // Units (b, j, part): a row's tokens split in two parts only where rows x kv heads are
+  // too few to give every thread two units (one row verifying drafts, a one-row prefill).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t parts = d.batch * d.kv_heads < 2 * threads ? std::min<int64_t>(2, d.tokens) : 1;
+  const int64_t tokens_per_part = (d.tokens + parts - 1) / parts;
+  const int64_t num_units = d.batch * d.kv_heads * parts;
   const int64_t chunk = std::max<int64_t>(1, num_units / (threads * 4));
   diversed_jax::ParallelChunks(pool, (num_units + chunk - 1) / chunk, [=](int64_t c) {
     thread_local std::vector<float> scratch, zeros;
-    scratch.resize(std::max<size_t>(scratch.size(), d.group * ((d.slots + 7) / 8 * 8)));
+    scratch.resize(std::max<size_t>(scratch.size(),
+                                    tokens_per_part * d.group * ((d.slots + 7) / 8 * 8)));
     zeros.resize(std::max<size_t>(zeros.size(), d.head_dim), 0.0f);
-    for (int64_t u = c * chunk; u < std::min(num_units, (c + 1) * chunk); ++u) {
-      const int64_t j = u % d.kv_heads, bt = u / d.kv_heads, b = bt / d.tokens;
-      const int64_t qo = (bt * d.kv_heads + j) * d.group * d.head_dim;
-      const int64_t ko = b * d.slots * d.kv_heads * d.head_dim + j * d.head_dim;
-      Unit(d, q_data + qo, k_data + ko, v_data + ko, pos_data[bt], scale, out_data + qo,
-           scratch.data(), zeros.data());
+    for (int64_t unit = c * chunk; unit < std::min(num_units, (c + 1) * chunk); ++unit) {
+      const int64_t part = unit % parts, j = unit / parts % d.kv_heads;
+      const int64_t b = unit / parts / d.kv_heads;
+      const int64_t t_begin = part * tokens_per_part;
+      const int64_t t_end = std::min(d.tokens, t_begin + tokens_per_part);
+      const int64_t qo = (b * d.tokens * d.kv_heads + j) * d.group * d.head_dim;
+      const int64_t ko = (b * d.slots * d.kv_heads + j) * d.head_dim;
+      Unit(d, t_begin, t_end, q_data + qo, k_data + ko, v_data + ko, pos_data + b * d.tokens,
+           scale, out_data + qo, scratch.data(), zeros.data());
     }
   });
   return ffi::Error::Success();
