@@ -18,7 +18,8 @@
 //
 // The weights may also be stored as float16, or as int8 with a float32 scale per 32
 // weights (two more FFI targets): each weight is widened to float32 exactly as it is
-// loaded, so the results are bitwise those of the float32 kernel on the widened weights,
+// loaded (int8 read by several groups of rows: once per column, into a buffer that every
+// group reads), so the results are bitwise those of the float32 kernel on the widened weights,
 // for a half or about a quarter of the bytes (a distilled draft stored in float16, and its
 // head: rows of the target's GGUF Q8_0 embedding).
 
