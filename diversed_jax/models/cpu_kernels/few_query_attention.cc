@@ -248,7 +248,8 @@ ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   // Units (b, j, part): a row's tokens split in two parts only where rows x kv heads are
   // too few to give every thread two units (one row verifying drafts, a one-row prefill).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = d.batch * d.kv_heads < 2 * threads ? std::min<int64_t>(2, d.tokens) : 1;
+  const int64_t parts =
+      d.batch * d.kv_heads < 2 * threads ? std::clamp<int64_t>(d.tokens, 1, 2) : 1;
   const int64_t tokens_per_part = (d.tokens + parts - 1) / parts;
   const int64_t num_units = d.batch * d.kv_heads * parts;
   const int64_t chunk = std::max<int64_t>(1, num_units / (threads * 4));
