@@ -17,7 +17,7 @@ from diversed_jax.distill import (architectures, artifacts, batches, continuatio
 from diversed_jax.models import ModelConfig, cpu_kernels, init_params, products, transformer
 from diversed_jax.models.loading import LoadedModel
 from diversed_jax.speculative import decoder as decoder_lib
-from diversed_jax.speculative import context_copy, loop, step_costs
+from diversed_jax.speculative import context_copy, drafts, loop, step_costs
 from diversed_jax.speculative.types import VerifyParams
 
 from tests.q8 import q8_0_weights
@@ -506,6 +506,29 @@ def test_copying_draft_feeds_its_history_like_the_loop(target):
   proposal, _, cache = draft.forward(params, jnp.asarray([[9]]), cache, None)
   assert int(cache.history_bs[0, 8]) == 9 and int(cache.lengths_b[0]) == 9
   assert int(jnp.argmax(proposal[0, 0])) == 5  # "6 9" -> 5, as after position 5
+
+
+@pytest.mark.parametrize("name", ["lm", "independent", "feature", "copying"])
+def test_last_only_gives_the_last_tokens_logits(target, name):
+  """`last_only` (a round's first draft call feeds two tokens and reads one law) returns
+  the last fed token's logits of a full call, with the same hidden states and cache."""
+  if name == "lm":
+    draft, params = drafts.LMDraft(target.config), target.params
+  else:
+    draft, params = _draft("independent" if name == "independent" else "feature", target)
+    if name == "copying":
+      draft = context_copy.ContextCopyDraft(draft, _eager_gate(target))
+  prompt = jnp.asarray([[5, 6, 7, 5, 6, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2]])
+  features = jax.random.normal(jax.random.PRNGKey(5), (2, 8, target.config.hidden_size))
+  _, _, cache = draft.forward(params, prompt[:, :5], draft.init_cache(params, 2, 16),
+                              features[:, :5])
+  full = draft.forward(params, prompt[:, 5:], cache, features[:, 5:])
+  last = draft.forward(params, prompt[:, 5:], cache, features[:, 5:], last_only=True)
+  assert last[0].shape == (2, 1, VOCAB)
+  np.testing.assert_allclose(np.asarray(last[0][:, 0]), np.asarray(full[0][:, -1]),
+                             rtol=1e-6, atol=1e-6)
+  for got, want in zip(jax.tree.leaves(last[1:]), jax.tree.leaves(full[1:])):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_copying_draft_sets_proposing_only_on_its_own_proposals(target):

@@ -138,11 +138,12 @@ class DistilledDraft:
                            axis=-1)
     return transformer.dense(both, tp, "fc")
 
-  def _outputs(self, params, x_btd, full_vocab=True):
+  def _outputs(self, params, x_btd, full_vocab=True, last_only=False):
     hidden = transformer.rms_norm(x_btd, params["train"]["final_norm"], self.config.norm_eps,
                                   False)
-    logits = head_logits(params, hidden, self.config.hidden_size, self.target_hidden,
-                         self.vocab_size, full_vocab)
+    logits = head_logits(params, hidden[:, -1:] if last_only else hidden,
+                         self.config.hidden_size, self.target_hidden, self.vocab_size,
+                         full_vocab)
     return logits, hidden
 
   def inference_params(self, params):
@@ -165,12 +166,12 @@ class DistilledDraft:
           frozen = {**frozen, "head_embed": head}
     return {**params, "train": train, "frozen": frozen}
 
-  def forward(self, params, tokens_bt, cache, target_hidden_btd=None):
+  def forward(self, params, tokens_bt, cache, target_hidden_btd=None, last_only=False):
     """(logits_btv float32, hidden_btd, cache); see drafts.py for target_hidden_btd."""
     if self.kind == "independent":
       x = self._inputs(params, tokens_bt, None)
       x, cache = transformer.decoder_layers(params["train"]["layers"], self.config, x, cache)
-      logits, hidden = self._outputs(params, x)
+      logits, hidden = self._outputs(params, x, last_only=last_only)
       return logits, hidden, cache
     if target_hidden_btd is None:
       if tokens_bt.shape[1] != 1:
@@ -180,7 +181,7 @@ class DistilledDraft:
       features = target_hidden_btd
     x = self._inputs(params, tokens_bt, features.astype(cache.feature_bd.dtype))
     x, kv = transformer.decoder_layers(params["train"]["layers"], self.config, x, cache.kv)
-    logits, hidden = self._outputs(params, x)
+    logits, hidden = self._outputs(params, x, last_only=last_only)
     return logits, hidden, FeatureCache(kv, hidden[:, -1].astype(cache.feature_bd.dtype))
 
   def train_forward(self, params, tokens_bt, features_btd, unroll: int = 1):

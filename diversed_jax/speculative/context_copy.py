@@ -218,14 +218,17 @@ class ContextCopyDraft:
     inner = getattr(self.inner, "inference_params", None)
     return params if inner is None else inner(params)
 
-  def forward(self, params, tokens_bt, cache: CopyCache, target_hidden_btd=None):
+  def forward(self, params, tokens_bt, cache: CopyCache, target_hidden_btd=None,
+              last_only=False):
     s = cache.history_bs.shape[1]
     positions_bt = cache.lengths_b[:, None] + jnp.arange(tokens_bt.shape[1])
     rows_b1 = jnp.arange(tokens_bt.shape[0])[:, None]
     # Writes past the last slot are dropped (as the KV cache's are).
     history = cache.history_bs.at[rows_b1, positions_bt].set(tokens_bt, mode="drop")
     logits, hidden, inner = self.inner.forward(params, tokens_bt, cache.inner,
-                                               target_hidden_btd)
-    logits = copy_logits(self.gate, logits, hidden, history, jnp.minimum(positions_bt, s - 1),
+                                               target_hidden_btd, last_only=last_only)
+    at = slice(-1, None) if last_only else slice(None)
+    logits = copy_logits(self.gate, logits, hidden[:, at], history,
+                         jnp.minimum(positions_bt[:, at], s - 1),
                          proposing=target_hidden_btd is None)
     return logits, hidden, CopyCache(inner, history)

@@ -4,7 +4,9 @@ A draft is a frozen (hashable, jit-static) object with
 
   init_cache(params, batch, max_len) -> cache pytree (in the layout and dtype `params`
       decode with: see `KVCache`)
-  forward(params, tokens_bt, cache, target_hidden_btd) -> (logits_btv, hidden_btd, cache)
+  forward(params, tokens_bt, cache, target_hidden_btd, last_only=False)
+      -> (logits_btv, hidden_btd, cache); with last_only the logits are the last token's
+      alone, [B, 1, V] (the loop feeds a round's first call two tokens and reads one law)
   inference_params(params) -> params in the layout fastest for decoding (optional)
 
 `target_hidden_btd[:, t]` is the target's last hidden state at the position just before
@@ -40,9 +42,12 @@ class LMDraft:
   def inference_params(self, params):
     return transformer.unstack_layers(params)
 
-  def forward(self, params, tokens_bt, cache, target_hidden_btd=None):
+  def forward(self, params, tokens_bt, cache, target_hidden_btd=None, last_only=False):
     del target_hidden_btd  # An independent draft does not read target features.
-    return transformer.forward(params, self.config, tokens_bt, cache)
+    hidden, cache = transformer.forward_hidden(params, self.config, tokens_bt, cache)
+    logits = transformer.logits_from_hidden(params, self.config,
+                                            hidden[:, -1:] if last_only else hidden)
+    return logits, hidden, cache
 
 
 _SELF_DRAFT = re.compile(r"^self:(\d+)$")

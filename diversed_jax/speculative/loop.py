@@ -136,8 +136,9 @@ def _draft_round(spec: LoopSpec, draft, draft_params, state: _State, key):
   """
   vp = spec.verify
   cache = state.draft_cache.with_lengths(state.target_cache.lengths_b - 1)
+  # Two tokens in, the last one's law out (see drafts.py).
   logits, hidden, cache = draft.forward(draft_params, state.last_two_b2, cache,
-                                        state.features_b2d)
+                                        state.features_b2d, last_only=True)
   first = (logits[:, -1], hidden[:, -1])
 
   sample = functools.partial(distributions.sample_logits, temperature=vp.temperature,
