@@ -29,9 +29,11 @@ def _inputs(seed, b=2, t=3, s=40, config=None):
 
 
 def _attend(config, *inputs, use_kernel=True):
+  """attend(config, q, k, v, positions[, layer]) compiled with or without the kernel."""
   previous, attention.USE_KERNEL = attention.USE_KERNEL, use_kernel
   try:
-    return jax.jit(lambda *a: attention.attend(config, *a, sliding=False))(*inputs)
+    return jax.jit(lambda q, k, v, p, *layer: attention.attend(config, q, k, v, p, False,
+                                                               *layer))(*inputs)
   finally:
     attention.USE_KERNEL = previous
 
@@ -79,3 +81,29 @@ def test_kernel_form_is_differentiable():
   for got, want in zip(jax.grad(loss(True), (0, 1, 2))(q, k, v),
                        jax.grad(loss(False), (0, 1, 2))(q, k, v)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_stacked_caches_layer_attends_as_that_layer_alone_with_its_gradient():
+  # `attend(..., layer)` reads the layer of stacked caches in place (the kernel) or sliced
+  # out (XLA's forms): the same outputs as on the layer alone, and gradients that land in
+  # that layer of the stack only.
+  config = _config()
+  q, _, _, positions = _inputs(6)
+  rng = np.random.default_rng(6)
+  k, v = (jnp.asarray(rng.standard_normal((3, *q.shape[:1], 40, config.num_kv_heads,
+                                           config.head_dim)), jnp.float32) for _ in range(2))
+  for use_kernel in (True, False):
+    stacked = _attend(config, q, k, v, positions, jnp.int32(1), use_kernel=use_kernel)
+    alone = _attend(config, q, k[1], v[1], positions, use_kernel=use_kernel)
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(alone))
+
+  def loss(k, v):
+    return jnp.sum(jnp.sin(attention.attend(config, q, k, v, positions, False, jnp.int32(1))))
+
+  d_k, d_v = jax.grad(loss, (0, 1))(k, v)
+  d_k1, d_v1 = jax.grad(lambda k1, v1: loss(k.at[1].set(k1), v.at[1].set(v1)), (0, 1))(k[1], v[1])
+  for d, d1 in ((d_k, d_k1), (d_v, d_v1)):
+    np.testing.assert_array_equal(np.asarray(d[1]), np.asarray(d1))
+    assert not np.any(np.asarray(d[0])) and not np.any(np.asarray(d[2]))
+    assert np.any(np.asarray(d1))

@@ -169,6 +169,26 @@ def test_a_querys_attention_does_not_depend_on_its_companions():
     np.testing.assert_array_equal(np.asarray(alone), together[rows, tokens])
 
 
+@needs_kernel
+def test_attention_over_a_stacked_caches_layer_equals_that_layer_alone():
+  # The decoder's stacked cache [L, B, S, Hkv, Dh] is read in place: the same bits as the
+  # layer sliced out, for a static and a traced layer index.
+  rng = np.random.default_rng(4)
+  q = _random(rng, 2, 3, 3, 3, 64)
+  k, v = _random(rng, 4, 2, 50, 3, 64), _random(rng, 4, 2, 50, 3, 64)
+  positions = np.asarray(rng.integers(0, 50, (2, 3)), np.int32)
+  stacked = jax.jit(cpu_kernels.few_query_attention, static_argnums=4)
+  static = jax.jit(lambda q, k, v, p: cpu_kernels.few_query_attention(q, k, v, p, 0.125, 3))
+  for layer in range(4):
+    alone = np.asarray(_attention(q, k[layer], v[layer], positions, 0.125))
+    np.testing.assert_array_equal(
+        np.asarray(stacked(q, k, v, positions, 0.125, jnp.int32(layer))), alone)
+  np.testing.assert_array_equal(np.asarray(static(q, k, v, positions)),
+                                np.asarray(_attention(q, k[3], v[3], positions, 0.125)))
+  with pytest.raises(Exception, match="layer index out of range"):
+    jax.block_until_ready(stacked(q, k, v, positions, 0.125, jnp.int32(4)))
+
+
 # Narrow storage goes through every path the float32 weights take (row groups, blocks,
 # tiles, lone 8-float steps, scalar tails): its results must keep the float32 kernel's bits.
 @needs_kernel

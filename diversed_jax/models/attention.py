@@ -95,39 +95,56 @@ def _attend_xla(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt, slidi
   return jnp.einsum("bkgts,bskd->btkgd", p, v_cache_bshd)
 
 
+def _layer_of(cache, layer):
+  """One layer's cache [B, S, Hkv, Dh]: the cache itself (layer None), or layer `layer` of
+  a stacked cache [L, B, S, Hkv, Dh] (a copy)."""
+  return cache if layer is None else jax.lax.dynamic_index_in_dim(cache, layer, keepdims=False)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _kernel_attention(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt):
-  return cpu_kernels.few_query_attention(q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt,
-                                         float(config.scale))
+def _kernel_attention(config, q_btkgd, k_cache, v_cache, positions_bt, layer):
+  return cpu_kernels.few_query_attention(q_btkgd, k_cache, v_cache, positions_bt,
+                                         float(config.scale), layer)
 
 
-def _kernel_forward(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt):
-  out = _kernel_attention(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt)
-  return out, (q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt)
+def _kernel_forward(config, q_btkgd, k_cache, v_cache, positions_bt, layer):
+  out = _kernel_attention(config, q_btkgd, k_cache, v_cache, positions_bt, layer)
+  return out, (q_btkgd, k_cache, v_cache, positions_bt, layer)
 
 
 def _kernel_backward(config, residuals, d_out):
   # The kernel is for inference; a gradient (rare: few-token training passes) takes XLA's
   # grouped form, the same function up to float rounding (the kernel runs only without a
   # sliding window, so `sliding` does not matter).
-  q, k, v, positions_bt = residuals
+  q, k_cache, v_cache, positions_bt, layer = residuals
   _, vjp = jax.vjp(lambda q, k, v: _attend_xla(config, q, k, v, positions_bt, False,
-                                               "grouped"), q, k, v)
-  return (*vjp(d_out), None)
+                                               "grouped"),
+                   q, _layer_of(k_cache, layer), _layer_of(v_cache, layer))
+  d_q, d_k, d_v = vjp(d_out)
+  if layer is not None:  # into the stacked caches' layer
+    into = lambda d, cache: jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(cache), d,
+                                                                layer, 0)
+    d_k, d_v = into(d_k, k_cache), into(d_v, v_cache)
+  return d_q, d_k, d_v, None, None
 
 
 _kernel_attention.defvjp(_kernel_forward, _kernel_backward)
 
 
-def attend(config: ModelConfig, q_bthd, k_cache_bshd, v_cache_bshd, positions_bt, sliding):
+def attend(config: ModelConfig, q_bthd, k_cache, v_cache, positions_bt, sliding, layer=None):
   """Attention of the new tokens' queries (at `positions_bt`) over one layer's cache, which
   already holds their own keys and values; [B, T, H*Dh]. `sliding` says whether this layer
-  uses the config's sliding window."""
+  uses the config's sliding window.
+
+  The caches are that layer's [B, S, Hkv, Dh], or, given `layer` (an int32 scalar), stacked
+  caches [L, B, S, Hkv, Dh] of which the layer is read: in place by the kernel, sliced out
+  (a copy) for XLA's forms."""
   b, t, h, dh = q_bthd.shape
   q_btkgd = q_bthd.reshape(b, t, config.num_kv_heads, h // config.num_kv_heads, dh)
-  form = attention_form(config, t, jnp.result_type(q_bthd, k_cache_bshd))
+  form = attention_form(config, t, jnp.result_type(q_bthd, k_cache))
   if form == "kernel":
-    out = _kernel_attention(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt)
+    out = _kernel_attention(config, q_btkgd, k_cache, v_cache, positions_bt, layer)
   else:
-    out = _attend_xla(config, q_btkgd, k_cache_bshd, v_cache_bshd, positions_bt, sliding, form)
+    out = _attend_xla(config, q_btkgd, _layer_of(k_cache, layer), _layer_of(v_cache, layer),
+                      positions_bt, sliding, form)
   return out.reshape(b, t, h * dh)

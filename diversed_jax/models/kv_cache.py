@@ -44,8 +44,9 @@ class KVCache:
   stacked: `k`, `v` are arrays [L, B, S, Hkv, Dh], what `lax.scan` over stacked layers
     carries (each layer writes its slice in place);
   per-layer: `k`, `v` are tuples of L arrays [B, S, Hkv, Dh], for unrolled layers
-    (`transformer.unstack_layers`): each layer reads its own buffer. Reading a layer out
-    of a stacked cache copies it (on CPU that copy was 15% of a batch-8 decoding step).
+    (`transformer.unstack_layers`): each layer reads its own buffer. The attention kernel
+    reads a layer of a stacked cache in place; XLA's forms slice it out, a copy (on CPU
+    that copy was 15% of a batch-8 decoding step).
 
   `transformer.init_cache` picks the layout for a parameter layout and batch size;
   unrolled layers run on either layout, scanned ones convert a per-layer cache (a copy).

@@ -112,10 +112,6 @@ def _write_layer(cache, index, positions_bt, new_bthd):
   return cache.at[at].set(new_bthd.astype(cache.dtype))
 
 
-def _read_layer(cache, index):
-  return cache if index is None else jax.lax.dynamic_index_in_dim(cache, index, keepdims=False)
-
-
 def _layer(config, lp, carry, positions_bt, inv_freq, sliding, index):
   """One decoder layer on carry (x_btd, k, v); writes its keys and values into the
   layer's own buffers k, v [B, S, Hkv, Dh] (index None) or into slice `index` of stacked
@@ -125,8 +121,7 @@ def _layer(config, lp, carry, positions_bt, inv_freq, sliding, index):
   q, k, v = _project_qkv(config, lp, h, positions_bt, inv_freq)
   k_all = _write_layer(k_all, index, positions_bt, k)
   v_all = _write_layer(v_all, index, positions_bt, v)
-  attn = attention.attend(config, q, _read_layer(k_all, index), _read_layer(v_all, index),
-                 positions_bt, sliding)
+  attn = attention.attend(config, q, k_all, v_all, positions_bt, sliding, index)
   attn = dense(attn, lp, "o")
   if config.sandwich_norm:
     attn = rms_norm(attn, lp["post_attn_norm"], config.norm_eps, config.norm_offset)
@@ -146,8 +141,9 @@ def per_layer_cache(layers, batch: int) -> bool:
   """The cache layout fastest for `layers`: per-layer buffers for unrolled layers with
   several rows; stacked otherwise. (With one row, XLA:CPU turns the per-layer write into an
   update that it fuses into both the attention and the returned cache, and then copies
-  every layer's buffer; the stacked slice copies that per-layer buffers save are small at
-  batch 1.)"""
+  every layer's buffer. A stacked cache costs no copies where the attention kernel reads
+  its layers in place; XLA's attention forms slice each layer out, a copy. At batch 8 the
+  per-layer buffers still decoded ~7% faster than a stacked cache read in place.)"""
   return isinstance(layers, (tuple, list)) and batch > 1
 
 

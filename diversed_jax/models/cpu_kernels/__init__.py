@@ -5,8 +5,9 @@
   `w_oi` float32, or float16 (widened as it is read: the float32 result on the widened
   weights, for half the bytes); `few_row_matmul_int8(x, q, scale)` for int8 weights with a
   scale per 32 (`products.Int8Rows`).
-- `few_query_attention(q, k, v, positions, scale)`: grouped-query attention of a few new
-  tokens over a KV cache in its stored layout (see `few_query_attention.cc`).
+- `few_query_attention(q, k, v, positions, scale, layer=None)`: grouped-query attention of
+  a few new tokens over a KV cache in its stored layout, one layer's or, given `layer`,
+  that layer of a stacked cache read in place (see `few_query_attention.cc`).
 
 The C++ sources ship with the package and are compiled with the system's C++ compiler into
 one library in a per-user cache the first time a kernel is asked for (a few seconds, once
@@ -40,6 +41,7 @@ _MATMUL_TARGET = "diversed_jax_few_row_matmul"
 _MATMUL_F16_TARGET = "diversed_jax_few_row_matmul_f16"
 _MATMUL_INT8_TARGET = "diversed_jax_few_row_matmul_int8"
 _ATTENTION_TARGET = "diversed_jax_few_query_attention"
+_ATTENTION_LAYER_TARGET = "diversed_jax_few_query_attention_layer"
 # No FMA contraction of the scalar tails: their rounding must not depend on the compiler's
 # choices in each kernel path.
 _FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC",
@@ -118,6 +120,9 @@ def _library() -> ctypes.CDLL | None:
                               jax.ffi.pycapsule(library.FewRowMatmulInt8Handler), platform="cpu")
   jax.ffi.register_ffi_target(_ATTENTION_TARGET,
                               jax.ffi.pycapsule(library.FewQueryAttentionHandler), platform="cpu")
+  jax.ffi.register_ffi_target(_ATTENTION_LAYER_TARGET,
+                              jax.ffi.pycapsule(library.FewQueryAttentionLayerHandler),
+                              platform="cpu")
   return library
 
 
@@ -191,14 +196,24 @@ def few_row_matmul_int8(x_mi: jax.Array, q_oi: jax.Array, scale_ob: jax.Array) -
 
 
 def few_query_attention(q_btkgd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array,
-                        positions_bt: jax.Array, scale: float) -> jax.Array:
+                        positions_bt: jax.Array, scale: float,
+                        layer: jax.Array | int | None = None) -> jax.Array:
   """softmax(scale * q . k) v over the slots s <= positions_bt[b, t], per kv head k and its
   G query heads: q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh] float32, positions [B, T]
   int32 (at least 0); returns [B, T, Hkv, G, Dh] float32. Dh must be a multiple of 8.
+
+  With `layer` (an int32 scalar, traced or not), k and v are stacked caches
+  [L, B, S, Hkv, Dh] and the kernel reads layer `layer` of them in place, with the same
+  bits as on that layer alone: slicing it out first would copy it.
 
   Call only where `available()` is True. Not differentiable: `models.attention` wraps it
   with a gradient through XLA's grouped form.
   """
   out = jax.ShapeDtypeStruct(q_btkgd.shape, jnp.float32)
-  return jax.ffi.ffi_call(_ATTENTION_TARGET, out, vmap_method="sequential")(
-      q_btkgd, k_bskd, v_bskd, positions_bt.astype(jnp.int32), scale=np.float32(scale))
+  operands = [q_btkgd, k_bskd, v_bskd, positions_bt.astype(jnp.int32)]
+  target = _ATTENTION_TARGET
+  if layer is not None:
+    operands.append(jnp.asarray(layer, jnp.int32))
+    target = _ATTENTION_LAYER_TARGET
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
+      *operands, scale=np.float32(scale))

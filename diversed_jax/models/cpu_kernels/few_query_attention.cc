@@ -225,28 +225,11 @@ void Unit(const Shape& d, int64_t t_begin, int64_t t_end, const float* q, const 
   }
 }
 
-ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                             ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                             ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
-                             float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
-             pd = positions.dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || pd.size() != 2 ||
-      kd[0] != qd[0] || kd[2] != qd[2] || kd[3] != qd[4] ||
-      !std::equal(kd.begin(), kd.end(), vd.begin()) || pd[0] != qd[0] || pd[1] != qd[1] ||
-      qd[4] % 8 != 0 || qd[4] == 0) {
-    return ffi::Error::InvalidArgument(
-        "few_query_attention: expected q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh], "
-        "positions [B, T], Dh a multiple of 8");
-  }
-  const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
-  const float* q_data = q.typed_data();
-  const float* k_data = k.typed_data();
-  const float* v_data = v.typed_data();
-  const int32_t* pos_data = positions.typed_data();
-  float* out_data = out->typed_data();
-  // Units (b, j, part): a row's tokens split in two parts only where rows x kv heads are
-  // too few to give every thread two units (one row verifying drafts, a one-row prefill).
+// Every row's queries against its cache: units (b, j, part), a row's tokens split in two
+// parts only where rows x kv heads are too few to give every thread two units (one row
+// verifying drafts, a one-row prefill).
+void Attend(ffi::ThreadPool& pool, const Shape& d, const float* q_data, const float* k_data,
+            const float* v_data, const int32_t* pos_data, float scale, float* out_data) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t parts =
       d.batch * d.kv_heads < 2 * threads ? std::clamp<int64_t>(d.tokens, 1, 2) : 1;
@@ -269,6 +252,60 @@ ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
            scale, out_data + qo, scratch.data(), zeros.data());
     }
   });
+}
+
+// Whether q [B, T, Hkv, G, Dh], one layer's k and v [B, S, Hkv, Dh] (`kd`, `vd`: their
+// last four dimensions) and positions [B, T] fit together.
+bool Fits(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+          ffi::Span<const int64_t> vd, ffi::Span<const int64_t> pd) {
+  return qd.size() == 5 && kd.size() == 4 && vd.size() == 4 && pd.size() == 2 &&
+         kd[0] == qd[0] && kd[2] == qd[2] && kd[3] == qd[4] &&
+         std::equal(kd.begin(), kd.end(), vd.begin()) && pd[0] == qd[0] && pd[1] == qd[1] &&
+         qd[4] % 8 == 0 && qd[4] != 0;
+}
+
+ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                             ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                             ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
+                             float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (!Fits(qd, kd, v.dimensions(), positions.dimensions())) {
+    return ffi::Error::InvalidArgument(
+        "few_query_attention: expected q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh], "
+        "positions [B, T], Dh a multiple of 8");
+  }
+  const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
+  Attend(pool, d, q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(),
+         scale, out->typed_data());
+  return ffi::Error::Success();
+}
+
+// The same over layer `layer` of stacked caches k and v [L, B, S, Hkv, Dh], read in place:
+// a layer sliced out of the stack for the call above is a copy of it (at batch 1, where
+// the decoder keeps the cache stacked, those copies were ~10% of a decoding step).
+ffi::Error FewQueryAttentionLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                  ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                                  ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> layer,
+                                  ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto layer_dims = [](ffi::Span<const int64_t> dims) {  // [L, ...] -> [...]
+    return ffi::Span<const int64_t>(dims.begin() + 1, dims.size() - 1);
+  };
+  if (kd.size() != 5 || vd.size() != 5 || vd[0] != kd[0] || layer.element_count() != 1 ||
+      !Fits(qd, layer_dims(kd), layer_dims(vd), positions.dimensions())) {
+    return ffi::Error::InvalidArgument(
+        "few_query_attention_layer: expected q [B, T, Hkv, G, Dh], k and v "
+        "[L, B, S, Hkv, Dh], positions [B, T], one layer index, Dh a multiple of 8");
+  }
+  const int64_t index = *layer.typed_data();
+  if (index < 0 || index >= kd[0]) {
+    return ffi::Error::InvalidArgument("few_query_attention_layer: layer index out of range");
+  }
+  const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[2]};
+  const int64_t layer_floats = kd[1] * kd[2] * kd[3] * kd[4];
+  Attend(pool, d, q.typed_data(), k.typed_data() + index * layer_floats,
+         v.typed_data() + index * layer_floats, positions.typed_data(), scale,
+         out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -280,6 +317,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FewQueryAttentionHandler, FewQueryAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FewQueryAttentionLayerHandler, FewQueryAttentionLayer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
