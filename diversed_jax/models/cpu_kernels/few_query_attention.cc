@@ -2,7 +2,8 @@
 //
 //   out[b, t, j, g] = sum_{s <= pos[b, t]} softmax_s(scale * q[b, t, j, g] . k[b, s, j]) v[b, s, j]
 //
-// q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh] (the cache's stored layout), pos [B, T].
+// q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh] (the cache's stored layout), pos [B, T];
+// or k and v [L, B, S, Hkv, Dh] and a layer index (a stacked cache, read in place).
 //
 // Why: XLA:CPU has no grouped-query product that reads the cache in place, so the model's
 // flat form scores every query head against every kv head (Hkv times the work) and its
@@ -282,7 +283,8 @@ ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 
 // The same over layer `layer` of stacked caches k and v [L, B, S, Hkv, Dh], read in place:
 // a layer sliced out of the stack for the call above is a copy of it (at batch 1, where
-// the decoder keeps the cache stacked, those copies were ~10% of a decoding step).
+// the decoder keeps the cache stacked, every layer of every forward copied its keys and
+// values).
 ffi::Error FewQueryAttentionLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                   ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                                   ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> layer,
