@@ -41,7 +41,6 @@ _MATMUL_TARGET = "diversed_jax_few_row_matmul"
 _MATMUL_F16_TARGET = "diversed_jax_few_row_matmul_f16"
 _MATMUL_INT8_TARGET = "diversed_jax_few_row_matmul_int8"
 _ATTENTION_TARGET = "diversed_jax_few_query_attention"
-_ATTENTION_LAYER_TARGET = "diversed_jax_few_query_attention_layer"
 # No FMA contraction of the scalar tails: their rounding must not depend on the compiler's
 # choices in each kernel path.
 _FLAGS = ("-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC",
@@ -120,9 +119,6 @@ def _library() -> ctypes.CDLL | None:
                               jax.ffi.pycapsule(library.FewRowMatmulInt8Handler), platform="cpu")
   jax.ffi.register_ffi_target(_ATTENTION_TARGET,
                               jax.ffi.pycapsule(library.FewQueryAttentionHandler), platform="cpu")
-  jax.ffi.register_ffi_target(_ATTENTION_LAYER_TARGET,
-                              jax.ffi.pycapsule(library.FewQueryAttentionLayerHandler),
-                              platform="cpu")
   return library
 
 
@@ -209,11 +205,9 @@ def few_query_attention(q_btkgd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array
   Call only where `available()` is True. Not differentiable: `models.attention` wraps it
   with a gradient through XLA's grouped form.
   """
+  if layer is None:  # one layer's cache: a stack of one (a reshape, no copy)
+    k_bskd, v_bskd, layer = k_bskd[None], v_bskd[None], 0
   out = jax.ShapeDtypeStruct(q_btkgd.shape, jnp.float32)
-  operands = [q_btkgd, k_bskd, v_bskd, positions_bt.astype(jnp.int32)]
-  target = _ATTENTION_TARGET
-  if layer is not None:
-    operands.append(jnp.asarray(layer, jnp.int32))
-    target = _ATTENTION_LAYER_TARGET
-  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(
-      *operands, scale=np.float32(scale))
+  return jax.ffi.ffi_call(_ATTENTION_TARGET, out, vmap_method="sequential")(
+      q_btkgd, k_bskd, v_bskd, positions_bt.astype(jnp.int32), jnp.asarray(layer, jnp.int32),
+      scale=np.float32(scale))

@@ -2,8 +2,8 @@
 //
 //   out[b, t, j, g] = sum_{s <= pos[b, t]} softmax_s(scale * q[b, t, j, g] . k[b, s, j]) v[b, s, j]
 //
-// q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh] (the cache's stored layout), pos [B, T];
-// or k and v [L, B, S, Hkv, Dh] and a layer index (a stacked cache, read in place).
+// q [B, T, Hkv, G, Dh], pos [B, T], and layer `layer` of k and v [L, B, S, Hkv, Dh] (the
+// cache's stored layout, read in place; one layer's cache comes as a stack of one).
 //
 // Why: XLA:CPU has no grouped-query product that reads the cache in place, so the model's
 // flat form scores every query head against every kv head (Hkv times the work) and its
@@ -255,53 +255,27 @@ void Attend(ffi::ThreadPool& pool, const Shape& d, const float* q_data, const fl
   });
 }
 
-// Whether q [B, T, Hkv, G, Dh], one layer's k and v [B, S, Hkv, Dh] (`kd`, `vd`: their
-// last four dimensions) and positions [B, T] fit together.
-bool Fits(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
-          ffi::Span<const int64_t> vd, ffi::Span<const int64_t> pd) {
-  return qd.size() == 5 && kd.size() == 4 && vd.size() == 4 && pd.size() == 2 &&
-         kd[0] == qd[0] && kd[2] == qd[2] && kd[3] == qd[4] &&
-         std::equal(kd.begin(), kd.end(), vd.begin()) && pd[0] == qd[0] && pd[1] == qd[1] &&
-         qd[4] % 8 == 0 && qd[4] != 0;
-}
-
+// Layer `layer` of stacked caches k and v [L, B, S, Hkv, Dh], read in place: a layer
+// sliced out of the stack would be a copy of it (at batch 1, where the decoder keeps the
+// cache stacked, every layer of every forward copied its keys and values). A cache of one
+// layer [B, S, Hkv, Dh] comes as a stack of one (a free reshape) with layer 0.
 ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                              ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                             ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out,
-                             float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (!Fits(qd, kd, v.dimensions(), positions.dimensions())) {
+                             ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> layer,
+                             ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
+             pd = positions.dimensions();
+  if (qd.size() != 5 || kd.size() != 5 || pd.size() != 2 || layer.element_count() != 1 ||
+      kd[1] != qd[0] || kd[3] != qd[2] || kd[4] != qd[4] ||
+      !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) || pd[0] != qd[0] ||
+      pd[1] != qd[1] || qd[4] % 8 != 0 || qd[4] == 0) {
     return ffi::Error::InvalidArgument(
-        "few_query_attention: expected q [B, T, Hkv, G, Dh], k and v [B, S, Hkv, Dh], "
-        "positions [B, T], Dh a multiple of 8");
-  }
-  const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[1]};
-  Attend(pool, d, q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(),
-         scale, out->typed_data());
-  return ffi::Error::Success();
-}
-
-// The same over layer `layer` of stacked caches k and v [L, B, S, Hkv, Dh], read in place:
-// a layer sliced out of the stack for the call above is a copy of it (at batch 1, where
-// the decoder keeps the cache stacked, every layer of every forward copied its keys and
-// values).
-ffi::Error FewQueryAttentionLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                                  ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                                  ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> layer,
-                                  ffi::ResultBuffer<ffi::F32> out, float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const auto layer_dims = [](ffi::Span<const int64_t> dims) {  // [L, ...] -> [...]
-    return ffi::Span<const int64_t>(dims.begin() + 1, dims.size() - 1);
-  };
-  if (kd.size() != 5 || vd.size() != 5 || vd[0] != kd[0] || layer.element_count() != 1 ||
-      !Fits(qd, layer_dims(kd), layer_dims(vd), positions.dimensions())) {
-    return ffi::Error::InvalidArgument(
-        "few_query_attention_layer: expected q [B, T, Hkv, G, Dh], k and v "
-        "[L, B, S, Hkv, Dh], positions [B, T], one layer index, Dh a multiple of 8");
+        "few_query_attention: expected q [B, T, Hkv, G, Dh], k and v [L, B, S, Hkv, Dh], "
+        "positions [B, T], one layer index, Dh a multiple of 8");
   }
   const int64_t index = *layer.typed_data();
   if (index < 0 || index >= kd[0]) {
-    return ffi::Error::InvalidArgument("few_query_attention_layer: layer index out of range");
+    return ffi::Error::InvalidArgument("few_query_attention: layer index out of range");
   }
   const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], kd[2]};
   const int64_t layer_floats = kd[1] * kd[2] * kd[3] * kd[4];
@@ -314,16 +288,6 @@ ffi::Error FewQueryAttentionLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FewQueryAttentionHandler, FewQueryAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FewQueryAttentionLayerHandler, FewQueryAttentionLayer,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
