@@ -323,6 +323,47 @@ def test_round_loop_updates_the_caches_in_place(two_layer_pair, num_prompts, bat
                                    if re.search(shape, line)]
 
 
+@pytest.mark.parametrize("method,temperature", [("sd", 0.0), ("ar", 0.0), ("sd", 1.0)])
+def test_greedy_rounds_of_many_rows_take_the_row_independent_products(pair, method,
+                                                                      temperature):
+  """16 rows verifying K + 1 = 5 tokens make 80 rows, past the kernel's usual limit of
+  64. Greedy rounds still take the kernel (no XLA product inside the while loop), so each
+  row rounds as in a plain greedy step of 16 rows; sampled rounds keep XLA's faster dot
+  (which also shows that the search finds a product inside the loop). Prefill passes of 4
+  tokens keep the prefill on the kernel too."""
+  if not cpu_kernels.available():
+    pytest.skip("the few-row kernel cannot be built here")
+  target, draft, draft_params = pair
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  k = 4 if method == "sd" else 0
+  spec = loop.LoopSpec(verify=VerifyParams(method=method, temperature=temperature),
+                       num_draft=k, max_new_tokens=8)
+  text = loop.decode.lower(
+      dec.target_params(), dec.draft_params if k else None, None, jnp.ones((16, 16), jnp.int32),
+      jnp.full((16,), 5, jnp.int32), jax.random.PRNGKey(0), spec=spec,
+      target_config=target.config, draft=draft if k else None, cache_len=64,
+      prefill_chunk=4).compile().as_text()
+  comps = _hlo_computations(text)
+  loops = [re.search(r"body=%([\w.\-]+)", line).group(1) for line in comps["ENTRY"]
+           if " while(" in line and 'op_name="jit(decode)/while"' in line]
+  inside = _called_from(comps, loops)
+  assert loops and inside
+  dots = {name for name, lines in comps.items() for line in lines if " dot(" in line}
+  assert bool(dots & inside) == (temperature > 0), sorted(dots & inside)
+
+
+def test_greedy_speculative_equals_greedy_past_the_kernels_row_limit(pair):
+  target, draft, draft_params = pair
+  queue = [[(3 * i + j) % (VOCAB - 1) + 1 for j in range(2 + i % 5)] for i in range(16)]
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  greedy = lambda method, k: dec.generate(queue, VerifyParams(method=method, temperature=0.0),
+                                          num_draft=k, max_new_tokens=10,
+                                          eos_token_ids=()).token_ids
+  plain = greedy("ar", 0)
+  assert plain == [_greedy_reference(target, p, 10) for p in queue]
+  assert greedy("sd", 4) == plain  # 16 x 5 = 80 verified rows a round
+
+
 def test_compiles_once_per_prompt_bucket(pair):
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)

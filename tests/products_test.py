@@ -51,6 +51,30 @@ def test_few_rows_take_the_kernel_or_the_fused_form_on_cpu(rows, few_row_form):
   assert ("custom_vjp_call" in prims) == (form == "kernel"), prims
 
 
+@pytest.mark.parametrize("rows", [65, 80, 200])
+def test_row_independent_products_take_the_kernel_past_its_row_limit(rows, few_row_form):
+  """Inside `row_independent` every row rounds as it would alone (the kernel for any row
+  count where it runs); outside, more than 64 rows take XLA's dot."""
+  rng = np.random.default_rng(rows)
+  x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
+  w_oi = jnp.asarray(rng.standard_normal((40, 96)), jnp.float32)
+  # Fresh functions: a traced function is cached without the context in its key.
+  matmul = lambda: lambda x, w: products.matmul_oi(x, w)
+  assert "dot_general" in _primitives(matmul(), x, w_oi)
+  with products.row_independent():
+    form = products.product_form(rows, jnp.float32)
+    prims = _primitives(matmul(), x, w_oi)
+    together = jax.jit(matmul())(x, w_oi)
+    alone = [jax.jit(matmul())(x[i:i + 1], w_oi) for i in (0, rows // 2, rows - 1)]
+  assert products.product_form(rows, jnp.float32) == "dot"  # the context has ended
+  if few_row_form == "fused":  # no kernel: nothing to make row-independent
+    assert form == "dot" and "dot_general" in prims
+    return
+  assert form == "kernel" and "dot_general" not in prims, prims
+  for i, row in zip((0, rows // 2, rows - 1), alone):
+    np.testing.assert_array_equal(together[i:i + 1], row)
+
+
 def test_forced_forms_apply_only_where_they_can(monkeypatch):
   monkeypatch.setattr(products, "FORCE_FORM", "fused")
   assert products.product_form(1, jnp.float32) == "dot"  # one row has no fused form

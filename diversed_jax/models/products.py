@@ -19,6 +19,12 @@ kernels that take 2-3x the GEMV's time, though they read the same weights. Three
   of 4 (the loop is slower at 5 or 6 rows than at 8).
 - "dot": everything else (other backends and dtypes, more rows).
 
+The speculative loop traces its greedy rounds inside `row_independent()`, where the kernel
+takes any number of rows: a verification of B (K + 1) rows then rounds each row as a plain
+decoding step of B rows does, even past MAX_KERNEL_ROWS, so greedy speculative decoding
+stays plain greedy decoding at any batch size and K. Everything else keeps XLA's dot for
+many rows, where it is faster.
+
 Weights may also be stored narrower, for fewer bytes read a step with the same results:
 float16 (where it holds every value) or `Int8Rows`; the kernel widens them exactly as it
 reads them, and the other forms widen them first.
@@ -28,6 +34,8 @@ reads them, and the other forms widen them first.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import flax.struct
@@ -49,6 +57,23 @@ FORMS = ("kernel", "fused", "dot")
 # Benchmarks set this to one of FORMS to compile a model with every product in that form
 # where the form applies (read at trace time; jax.clear_caches() after changing it).
 FORCE_FORM: str | None = None
+
+
+# True within `row_independent()` (read at trace time, like FORCE_FORM).
+_ANY_ROWS_TO_KERNEL = contextvars.ContextVar("any_rows_to_kernel", default=False)
+
+
+@contextlib.contextmanager
+def row_independent():
+  """Products traced within it take the kernel wherever it runs, whatever their number of
+  rows, so each row's result is bitwise the same however many rows share the call (the
+  kernel accumulates every output in one order). Only functions traced inside are
+  affected; a jitted function traced before keeps its forms."""
+  token = _ANY_ROWS_TO_KERNEL.set(True)
+  try:
+    yield
+  finally:
+    _ANY_ROWS_TO_KERNEL.reset(token)
 
 
 INT8_BLOCK = 32  # weights per scale in Int8Rows
@@ -92,7 +117,8 @@ class Int8Rows:
 def product_form(num_rows: int, dtype) -> str:
   """The form `matmul_oi` takes for `num_rows` rows of `dtype` (decided at trace time)."""
   on_cpu_f32 = jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
-  kernel = 1 <= num_rows <= MAX_KERNEL_ROWS and cpu_kernels.runs_here(dtype)
+  row_limit = math.inf if _ANY_ROWS_TO_KERNEL.get() else MAX_KERNEL_ROWS
+  kernel = 1 <= num_rows <= row_limit and cpu_kernels.runs_here(dtype)
   fused = on_cpu_f32 and MIN_FUSED_ROWS <= num_rows <= MAX_FEW_ROWS
   if FORCE_FORM is not None:
     if FORCE_FORM not in FORMS:
