@@ -36,6 +36,10 @@ def get_config():
   c.data.gsm8k_path = ("distill/gsm8k_train.jsonl",)  # records with 'question'
   c.data.cnndm_path = ("cnndm/train.jsonl", "cnndm/train_more.jsonl")  # with 'article'
   c.data.max_chars = 1800  # CNN/DM article character budget (keeps prompts < 512 tokens)
+  # Which max_chars windows of each CNN/DM article are prompts: 0 is its start (as in the
+  # evaluation); (1, 2) gives new prompts from the rest of long articles (target
+  # continuations only: the reference summary belongs to the whole article).
+  c.data.cnndm_windows = (0,)
   c.data.pattern = ("gsm8k", "cnndm", "gsm8k", "cnndm")  # source of consecutive shards
   c.data.batch = 16  # prompts per shard (one generation batch)
   c.data.num_shards = 260  # shards to write (resumes: existing shards are skipped)

@@ -657,3 +657,33 @@ def test_shipped_draft_loads_as_the_default():
   logits, _, _ = draft.forward(params, jnp.asarray([[1, 2, 3]]), draft.init_cache(params, 1, 8),
                                jnp.zeros((1, 3, model.config.hidden_size)))
   assert logits.shape == (1, 3, model.config.vocab_size)
+
+
+def test_article_windows_give_new_prompts_from_long_articles(tmp_path):
+  article = " ".join(f"Sentence number {i} says something." for i in range(60))  # ~2,000 chars
+  assert data.text_window(article, 0, 800) == article[:800].rstrip() + " ..."
+  first, second = data.text_window(article, 1, 800), data.text_window(article, 2, 800)
+  # A later window starts at a sentence's start at or past its offset, whole sentences on.
+  assert first.startswith("Sentence number ") and article.index(first[:40]) >= 800
+  assert article.index(second[:40]) >= 1600 and not second.endswith(" ...")
+  assert data.text_window(article, 3, 800) is None  # nothing left to fill half a window
+  assert data.text_window("Short. Text.", 1, 800) is None
+  path = tmp_path / "articles.jsonl"
+  path.write_text("\n".join(json.dumps({"article": a, "highlights": "h"})
+                            for a in (article, "A short one.")))
+  pairs = data.load_prompts("cnndm", str(path), max_chars=800, windows=(1, 2))
+  assert [p for p, _ in pairs] == [data.TEMPLATES["cnndm"][0].format(article=w)
+                                   for w in (first, second)]
+  assert len(data.load_prompts("cnndm", str(path), max_chars=800)) == 2  # window 0 only
+
+
+def test_article_windows_need_target_continuations(tmp_path):
+  c = _tiny_config()
+  c.mode, c.data.dir, c.data.cnndm_windows = "data", str(tmp_path), (1, 2)
+  with pytest.raises(ValueError, match="cnndm_windows=.*continuation='target'"):
+    train.validate(c)
+  c.data.continuation = "target"
+  train.validate(c)
+  c.data.cnndm_windows = (-1,)
+  with pytest.raises(ValueError, match=r"cnndm_windows=\(-1,\) is invalid"):
+    train.validate(c)

@@ -64,21 +64,47 @@ def _reference(source: str, record: dict) -> str:
   return " ".join(lines)
 
 
-def load_prompts(source: str, paths, limit: int = 0, max_chars: int = 2500):
+# A sentence's end and the spaces after it, before a capital, quote or bracket; or a line
+# break. The window starts where the match ends.
+_SENTENCE_START = re.compile(r"[.!?][\"')]? +(?=[A-Z\"'(])|\n+")
+
+
+def text_window(body: str, window: int, max_chars: int) -> str | None:
+  """Window `window` of a text cut to `max_chars` characters: window 0 is its start (as
+  every evaluation prompt is), window w >= 1 starts at the first sentence beginning at or
+  after character w * max_chars. " ..." marks a cut end. None when window w >= 1 would
+  hold less than half the budget (the text is too short for it)."""
+  start = 0
+  if window > 0:
+    found = _SENTENCE_START.search(body, window * max_chars)
+    if found is None:
+      return None
+    start = found.end()
+    if len(body) - start < max_chars // 2:
+      return None
+  text = body[start:]
+  return text[:max_chars].rstrip() + " ..." if len(text) > max_chars else text
+
+
+def load_prompts(source: str, paths, limit: int = 0, max_chars: int = 2500,
+                 windows: tuple[int, ...] = (0,)):
   """(user-turn text, reference continuation) pairs of one source ('gsm8k' or 'cnndm') from
-  JSONL files (one path or a sequence of paths, read in order)."""
+  JSONL files (one path or a sequence of paths, read in order). `windows`: which
+  `max_chars` windows of each record's text become prompts (`text_window`; windows past
+  0 are new prompts from long articles, whose reference no longer fits them)."""
   template, field = TEMPLATES[source]
   pairs = []
   for path in ([paths] if isinstance(paths, str) else paths):
     with open(resolve_path(path)) as f:
       for line in f:
         record = json.loads(line)
-        body = record[field]
-        if len(body) > max_chars:
-          body = body[:max_chars].rstrip() + " ..."
-        pairs.append((template.format(**{field: body}), _reference(source, record)))
-        if limit and len(pairs) >= limit:
-          return pairs
+        for window in windows:
+          body = text_window(record[field], window, max_chars)
+          if body is None:
+            continue
+          pairs.append((template.format(**{field: body}), _reference(source, record)))
+          if limit and len(pairs) >= limit:
+            return pairs
   return pairs
 
 
@@ -196,7 +222,8 @@ def continuations_folder(spec: str) -> str:
 def data_plan(data_cfg):
   """The shard plan of a data config: per shard, (source, [(prompt text, reference)])."""
   sources = {"gsm8k": load_prompts("gsm8k", data_cfg.gsm8k_path, max_chars=10_000),
-             "cnndm": load_prompts("cnndm", data_cfg.cnndm_path, max_chars=data_cfg.max_chars)}
+             "cnndm": load_prompts("cnndm", data_cfg.cnndm_path, max_chars=data_cfg.max_chars,
+                                   windows=tuple(data_cfg.cnndm_windows))}
   return shard_plan(sources, tuple(data_cfg.pattern), data_cfg.batch, data_cfg.seed)
 
 

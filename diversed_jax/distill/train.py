@@ -42,6 +42,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
       ("data.continuations_only",
        not config.data.continuations_only or bool(config.data.continuations_dir),
        "ids-only runs need data.continuations_dir"),
+      ("data.cnndm_windows", len(config.data.cnndm_windows) > 0
+       and all(w >= 0 for w in config.data.cnndm_windows)),
+      ("data.cnndm_windows", tuple(config.data.cnndm_windows) == (0,)
+       or config.data.continuation == "target" or config.mode == "fit_copy_gate",
+       "windows past an article's start need data.continuation='target' (the reference "
+       "summary is the whole article's)"),
       ("draft.kind", config.draft.kind in architectures.KINDS),
       ("train.loss", config.train.loss in losses.LOSSES),
       ("train.unroll", config.train.unroll >= 1),
