@@ -22,7 +22,8 @@ Measures, in one run:
 compares distilled drafts (--draft and the --compare folders) on the SAME tokens: the
 target's own T = 1 continuations of the test prompts, teacher forced, acceptance
 sum_x min(p, q) at every generated position for drafting steps 1-3 (steps 2-3 read the
-draft's own features, as in training's unroll). The loop's `accept` samples a different path
+draft's own features, as in training's unroll), and the greedy agreement argmax q = argmax p
+(`top1`: what a greedy round accepts). The loop's `accept` samples a different path
 for every draft, which moves it by a few hundredths between drafts of equal quality; this
 paired figure ranks drafts reliably. A folder with a context-copy gate is measured with it
 (the lookup reads the teacher-forced tokens); list 'nocopy:FOLDER' to leave it out.
@@ -126,6 +127,7 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
                                                 unroll=steps))
               for name, (d, _) in drafts.items()}
   sums = {name: np.zeros(steps) for name in drafts}
+  agree = {name: np.zeros(steps) for name in drafts}
   positions = 0
   for prompt, cont in zip(prompts, gen.token_ids):
     seq = list(prompt) + list(cont)
@@ -147,12 +149,17 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
             draft.gate, logits[j], hidden_j[j, :, span], jnp.asarray(tokens), at_bt,
             proposing=j > 0) for j in range(logits.shape[0])]), axis=-1)
         sums[name] += np.asarray(jnp.sum(jnp.minimum(p[None], q[:, 0]), axis=(-1, -2)))
+        agree[name] += np.asarray(jnp.sum(
+            jnp.argmax(q[:, 0], -1) == jnp.argmax(p, -1)[None], axis=-1))
         continue
       q = jax.nn.softmax(logits[:, 0, span], axis=-1)
       sums[name] += np.asarray(jnp.sum(jnp.minimum(p[:, ids][None], q), axis=(-1, -2)))
+      agree[name] += np.asarray(jnp.sum(
+          ids[jnp.argmax(q, -1)] == jnp.argmax(p, -1)[None], axis=-1))
     positions += len(cont)
   return {name: {"accept": float(s.mean() / positions),
                  "accept_by_step": [round(float(v / positions), 4) for v in s],
+                 "top1_by_step": [round(float(v / positions), 4) for v in agree[name]],
                  "positions": positions} for name, s in sums.items()}
 
 

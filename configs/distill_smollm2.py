@@ -74,6 +74,10 @@ def get_config():
   # session 16), while its gradient ~q(1-q) is slow from a poor start.
   c.train.loss = "kl"
   c.train.feature_weight = 0.1  # weight of the smooth-L1 feature regression ('feature' only)
+  # Weight of -log q(argmax p), the cross-entropy to the token a greedy round accepts, added
+  # to the main loss (the T = 1 losses above leave greedy agreement behind; DRAFTS.md
+  # session 42).
+  c.train.argmax_weight = 0.0
   c.train.unroll = 2  # drafting steps simulated per window ('feature' only)
   c.train.prompt_weight = 0.2  # loss weight of prompt positions (generated positions: 1)
   c.train.checkpoint_every = 50  # steps between orbax checkpoints

@@ -16,6 +16,7 @@ def _example(seed=0, j=2, b=2, t=3):
   # The target's top-k as kept indices, one of them outside the kept vocabulary (-1).
   kept = np.stack([rng.choice(VS, K, replace=False) for _ in range(b * t)]).reshape(b, t, K)
   kept[0, 1, 2] = -1
+  kept[1, 2, 0] = -1  # and one target argmax
   p = rng.dirichlet(np.ones(K + 1), size=(b, t))[..., :K]  # leaves some mass off the top-k
   p = -np.sort(-p, axis=-1)
   return logits, kept.astype(np.int32), np.log(p).astype(np.float32)
@@ -24,7 +25,8 @@ def _example(seed=0, j=2, b=2, t=3):
 def _numpy_terms(logits, kept, logp):
   q = np.exp(logits - logits.max(-1, keepdims=True))
   q /= q.sum(-1, keepdims=True)
-  out = {name: np.zeros(logits.shape[:3]) for name in ("ce", "tv", "accept", "top1")}
+  out = {name: np.zeros(logits.shape[:3])
+         for name in ("ce", "tv", "accept", "top1", "argmax_ce")}
   for j, b, t in np.ndindex(*logits.shape[:3]):
     for k in range(K):
       if kept[b, t, k] < 0:
@@ -34,6 +36,8 @@ def _numpy_terms(logits, kept, logp):
       out["tv"][j, b, t] += max(pk - qk, 0.0)
       out["accept"][j, b, t] += min(pk, qk)
     out["top1"][j, b, t] = float(np.argmax(logits[j, b, t]) == kept[b, t, 0])
+    if kept[b, t, 0] >= 0:
+      out["argmax_ce"][j, b, t] = -np.log(q[j, b, t, kept[b, t, 0]])
   return out
 
 
@@ -79,3 +83,21 @@ def test_tv_descent_raises_acceptance():
   end = float(jnp.mean(losses.distill_terms(logits, kept, logp)["accept"]))
   mass = float(jnp.mean(jnp.sum(jnp.exp(logp) * (kept >= 0), axis=-1)))
   assert start < 0.5 * mass and end > 0.9 * mass, (start, end, mass)
+
+
+def test_argmax_descent_raises_greedy_agreement():
+  # The greedy term alone moves every kept target argmax to the draft's argmax.
+  logits, kept, logp = (jnp.asarray(a) for a in _example(seed=3))
+  has_argmax = np.asarray(kept[..., 0] >= 0)
+
+  def argmax_ce(lg):
+    return jnp.sum(losses.distill_terms(lg, kept, logp)["argmax_ce"])
+
+  start = np.asarray(losses.distill_terms(logits, kept, logp)["top1"])
+  step = jax.jit(jax.grad(argmax_ce))
+  for _ in range(50):
+    logits = logits - 1.0 * step(logits)
+  end = np.asarray(losses.distill_terms(logits, kept, logp)["top1"])
+  assert start[:, has_argmax].mean() < 0.5, start
+  assert np.all(end[:, has_argmax] == 1.0), end
+  assert np.all(end[:, ~has_argmax] == start[:, ~has_argmax])

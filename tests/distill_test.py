@@ -14,6 +14,7 @@ import pytest
 
 from diversed_jax.distill import (architectures, artifacts, batches, continuations, copy_gate,
                                   data, train)
+from diversed_jax.distill import losses as distill_losses
 from diversed_jax.models import ModelConfig, cpu_kernels, init_params, products, transformer
 from diversed_jax.models.loading import LoadedModel
 from diversed_jax.speculative import decoder as decoder_lib
@@ -295,6 +296,25 @@ def test_fine_tune_starts_from_a_draft_folder(target, shard_dir, tmp_path, base_
   tuned.export(str(tmp_path / "tuned"))
   recipe = artifacts.read_draft(str(tmp_path / "tuned"))[3]["recipe"]
   assert recipe["init_from"] == folder and recipe["loss"] == c.train.loss
+
+
+def test_argmax_weight_adds_the_greedy_cross_entropy(target, shard_dir, tmp_path, base_draft):
+  base, _ = base_draft
+  batch = base.batch_for_step(0)
+  params = {"train": base.state["params"], "frozen": base.frozen}
+  loss_name, feature_weight, unroll, _ = base.hp
+  losses_by_weight = [float(train._metrics_and_loss(
+      base.state["params"], base.frozen, batch, draft=base.draft,
+      hp=(loss_name, feature_weight, unroll, w))[0]) for w in (0.0, 0.5)]
+  logits, _ = base.draft.train_forward(params, batch["tokens_bw"], batch["features_bwd"],
+                                       unroll=unroll)
+  argmax_ce = distill_losses.distill_terms(logits, batch["topk_kept_bwk"],
+                                           batch["topk_logp_bwk"])["argmax_ce"]
+  mask = jnp.broadcast_to(batch["weight_bw"][None], argmax_ce.shape)
+  expected = float(distill_losses.masked_mean(argmax_ce, mask))
+  assert expected > 0.1
+  np.testing.assert_allclose(losses_by_weight[1] - losses_by_weight[0], 0.5 * expected,
+                             rtol=1e-4)
 
 
 def test_fine_tune_can_choose_its_vocabulary_anew(target, shard_dir, tmp_path, base_draft):

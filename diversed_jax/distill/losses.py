@@ -31,7 +31,9 @@ def distill_terms(logits_jbtv, topk_kept_btk, topk_logp_btk):
     tv: sum_k max(0, p_k - q_k), TV(p, q) restricted to the target's top-k;
     accept: sum_k min(p_k, q_k), a lower bound of beta = 1 - TV(p, q) (the acceptance rate
       of exact speculative sampling at temperature 1);
-    top1: 1 when the draft's argmax is the target's argmax.
+    top1: 1 when the draft's argmax is the target's argmax;
+    argmax_ce: -log q of the target's argmax (0 where it is not kept), the cross-entropy
+      to the token a greedy round accepts.
   """
   logq = jax.nn.log_softmax(logits_jbtv, axis=-1)
   kept = topk_kept_btk >= 0
@@ -44,7 +46,8 @@ def distill_terms(logits_jbtv, topk_kept_btk, topk_logp_btk):
   tv = jnp.sum(jnp.maximum(p_k - q_k, 0.0), axis=-1)
   accept = jnp.sum(jnp.minimum(p_k, q_k), axis=-1)
   top1 = (jnp.argmax(logits_jbtv, axis=-1) == topk_kept_btk[..., 0]).astype(jnp.float32)
-  return {"ce": ce, "tv": tv, "accept": accept, "top1": top1}
+  argmax_ce = -jnp.where(kept[..., 0], logq_k[..., 0], 0.0)
+  return {"ce": ce, "tv": tv, "accept": accept, "top1": top1, "argmax_ce": argmax_ce}
 
 
 def feature_loss(hidden_jbtd, target_btd):

@@ -51,6 +51,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       ("draft.kind", config.draft.kind in architectures.KINDS),
       ("train.loss", config.train.loss in losses.LOSSES),
       ("train.unroll", config.train.unroll >= 1),
+      ("train.argmax_weight", config.train.argmax_weight >= 0),
       ("train.batch", config.train.batch >= 1),
       ("train.window", config.train.window >= 2),
       ("draft.vocab_keep", config.draft.vocab_keep >= 3),
@@ -97,8 +98,8 @@ def _log_fn(workdir: str):
 
 @functools.partial(jax.jit, static_argnames=("draft", "hp"))
 def _metrics_and_loss(train_params, frozen, batch, *, draft, hp):
-  """(loss, metrics) of one batch; hp = (loss name, feature weight, unroll)."""
-  loss_name, feature_weight, unroll = hp
+  """(loss, metrics) of one batch; hp = (loss name, feature weight, unroll, argmax weight)."""
+  loss_name, feature_weight, unroll, argmax_weight = hp
   params = {"train": train_params, "frozen": frozen}
   logits, hidden = draft.train_forward(params, batch["tokens_bw"], batch["features_bwd"],
                                        unroll=unroll)
@@ -107,6 +108,10 @@ def _metrics_and_loss(train_params, frozen, batch, *, draft, hp):
   main = terms["ce"] if loss_name == "kl" else terms["tv"]
   loss = losses.masked_mean(main, jnp.broadcast_to(mask, main.shape))
   metrics = {}
+  if argmax_weight > 0:  # greedy rounds accept the target's argmax only
+    argmax_ce = terms["argmax_ce"]
+    loss = loss + argmax_weight * losses.masked_mean(
+        argmax_ce, jnp.broadcast_to(mask, argmax_ce.shape))
   if draft.kind == "feature" and feature_weight > 0:
     feat = losses.feature_loss(hidden, batch["target_features_bwd"])
     feat = losses.masked_mean(feat, jnp.broadcast_to(mask, feat.shape))
@@ -127,8 +132,9 @@ def _training_pool(config) -> batches.ShardPool:
 
 
 def _hyperparams(tc) -> tuple:
-  """The static `hp` of `_metrics_and_loss`: (loss name, feature weight, unroll)."""
-  return (tc.loss, float(tc.feature_weight), int(tc.unroll))
+  """The static `hp` of `_metrics_and_loss`: (loss name, feature weight, unroll, argmax
+  weight)."""
+  return (tc.loss, float(tc.feature_weight), int(tc.unroll), float(tc.argmax_weight))
 
 
 def _optimizer(tc) -> optax.GradientTransformation:
@@ -329,6 +335,7 @@ class Trainer:
     # Where the draft came from, so a shipped folder says how to reproduce it.
     recipe = {"init_from": tc.init_from, "grow_layers": tc.grow_layers,
               "reselect_vocab": tc.reselect_vocab, "loss": tc.loss,
+              "argmax_weight": tc.argmax_weight,
               "lr": tc.lr, "decay_steps": tc.decay_steps, "window": tc.window,
               "unroll": tc.unroll, "data_dirs": [dc.dir, *dc.extra_train_dirs]}
     artifacts.save_draft(folder, self.draft, self.state["params"], self.vocab_ids,
