@@ -315,6 +315,10 @@ def test_argmax_weight_adds_the_greedy_cross_entropy(target, shard_dir, tmp_path
   assert expected > 0.1
   np.testing.assert_allclose(losses_by_weight[1] - losses_by_weight[0], 0.5 * expected,
                              rtol=1e-4)
+  bad = _tiny_config()
+  bad.train.argmax_weight = -0.5
+  with pytest.raises(ValueError, match="train.argmax_weight=-0.5"):
+    train.validate(bad)
 
 
 def test_fine_tune_can_choose_its_vocabulary_anew(target, shard_dir, tmp_path, base_draft):
