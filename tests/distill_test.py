@@ -298,7 +298,7 @@ def test_fine_tune_starts_from_a_draft_folder(target, shard_dir, tmp_path, base_
   assert recipe["init_from"] == folder and recipe["loss"] == c.train.loss
 
 
-def test_argmax_weight_adds_the_greedy_cross_entropy(target, shard_dir, tmp_path, base_draft):
+def test_argmax_weight_adds_the_greedy_cross_entropy(base_draft):
   base, _ = base_draft
   batch = base.batch_for_step(0)
   params = {"train": base.state["params"], "frozen": base.frozen}
