@@ -27,6 +27,10 @@ draft's own features, as in training's unroll), and the greedy agreement argmax 
 for every draft, which moves it by a few hundredths between drafts of equal quality; this
 paired figure ranks drafts reliably. A folder with a context-copy gate is measured with it
 (the lookup reads the teacher-forced tokens); list 'nocopy:FOLDER' to leave it out.
+It also runs each draft in the loop, greedy, each prompt alone, and prints the tokens a
+round commits at each K in --num_draft (`greedy_tokens_per_round`): deterministic, so free
+of the timing noise, and what the batch-1 speed-up follows (a round's cost is the same for
+drafts of one architecture).
 """
 
 from __future__ import annotations
@@ -163,6 +167,24 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
                  "positions": positions} for name, s in sums.items()}
 
 
+def greedy_tokens_per_round(target, drafts: dict, prompts, ks, max_new_tokens: int) -> dict:
+  """{name: {K: tokens a greedy SD round commits}} for each of `drafts` ({name: (draft,
+  params)}) over `prompts`, each decoded alone (a one-row queue)."""
+  from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
+  from diversed_jax.speculative.types import VerifyParams
+  handle = ModelHandle(target.config, target.params)  # one decoding layout for all drafts
+  out = {}
+  for name, (draft, params) in drafts.items():
+    dec = SpeculativeDecoder(handle, draft, params)
+    out[name] = {}
+    for k in ks:
+      gen = dec.generate(prompts, VerifyParams(method="sd", temperature=0.0), num_draft=k,
+                         max_new_tokens=max_new_tokens, batch_size=1)
+      rounds = sum(len(a) for a in gen.accepted_per_round)
+      out[name][k] = round(gen.num_tokens / rounds, 4)
+  return out
+
+
 def greedy_speed(dec, prompts, batch: int, ks, repeats: int,
                  per_call: list | None = None) -> list[dict]:
   """Plain greedy vs greedy SD with each K in `ks` over `prompts` in batches: tokens/s end
@@ -237,9 +259,12 @@ def main(argv):
     for name, (draft_obj, _) in drafts.items():
       if not hasattr(getattr(draft_obj, "inner", draft_obj), "train_forward"):
         raise app.UsageError(f"--compare needs distilled draft folders; {name} is not one")
+    ks = list(map(int, _KS.value))
     for task, prompts in (("gsm8k", gsm), ("cnndm", cnn)):
+      rounds = greedy_tokens_per_round(target, drafts, prompts, ks, _NEW.value)
       for name, row in paired_acceptance(target, drafts, prompts).items():
-        print(json.dumps({"task": task, "draft": name, **row}), flush=True)
+        print(json.dumps({"task": task, "draft": name, **row,
+                          "greedy_tokens_per_round": rounds[name]}), flush=True)
     return
   results = {"draft": spec, "target": target.name, "num_prompts": n,
              "max_new_tokens": _NEW.value, "backend": jax.default_backend(),

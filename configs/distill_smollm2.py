@@ -84,6 +84,9 @@ def get_config():
   c.train.keep_checkpoints = 2  # checkpoints kept
   c.train.log_every = 10  # steps between progress lines
   c.train.eval_every = 100  # steps between held-out evaluations (0: never)
+  # Held-out metric that picks the exported best draft: 'accept1' (one-step acceptance at
+  # T = 1) or 'top11' (one-step greedy agreement, for greedy-targeted runs).
+  c.train.select_by = "accept1"
   c.train.eval_shards = (0, 1)  # shard indices held out for evaluation (never trained on)
   c.train.min_shards = 4  # wait until this many shards exist before training
   c.train.rescan_every = 50  # steps between rescans of the shard folder

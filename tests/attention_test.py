@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diversed_jax.models import attention, cpu_kernels
+from diversed_jax.models import attention, cpu_kernels, products
 from diversed_jax.models.config import ModelConfig
 
 from tests.cpu_kernels_test import needs_kernel
@@ -53,6 +53,9 @@ def test_form_choice(monkeypatch):
   kernel = "kernel" if cpu_kernels.available() else "flat"
   assert attention.attention_form(config, 1, jnp.float32) == kernel
   assert attention.attention_form(config, attention.KERNEL_MAX_TOKENS + 1, jnp.float32) == "grouped"
+  with products.row_independent():  # the kernel for any number of tokens, where it runs
+    assert attention.attention_form(config, 256, jnp.float32) == (
+        "kernel" if cpu_kernels.available() else "grouped")
   # XLA's forms where the kernel does not apply: another dtype, a sliding window, soft-capping,
   # a head dim that is not a multiple of 8.
   assert attention.attention_form(config, 1, jnp.bfloat16) == "flat"

@@ -321,6 +321,28 @@ def test_argmax_weight_adds_the_greedy_cross_entropy(base_draft):
     train.validate(bad)
 
 
+def test_select_by_picks_the_held_out_metric_that_scores(base_draft):
+  """train.select_by: the held-out score (which picks the exported best) is the mean of the
+  named metric over the held-out shards; an unknown name is rejected."""
+  base, _ = base_draft
+  scores = {}
+  for metric in train.SELECT_BY:
+    c = base.config.copy_and_resolve_references()
+    c.train.select_by = metric
+    results = train.evaluate(c, base.draft, base.state["params"], base.frozen,
+                             base.kept_index, base.hp)
+    per_shard = [r for name, r in results.items() if name != "score"]
+    assert len(per_shard) == len(c.train.eval_shards)
+    np.testing.assert_allclose(results["score"], np.mean([r[metric] for r in per_shard]),
+                               rtol=1e-6)
+    scores[metric] = results["score"]
+  assert scores["accept1"] != scores["top11"]  # the two metrics differ on these shards
+  bad = _tiny_config()
+  bad.train.select_by = "accept"
+  with pytest.raises(ValueError, match="train.select_by='accept'.*accept1"):
+    train.validate(bad)
+
+
 def test_fine_tune_can_choose_its_vocabulary_anew(target, shard_dir, tmp_path, base_draft):
   """reselect_vocab: the kept ids come from the training shards, in the configured number."""
   base, folder = base_draft

@@ -16,17 +16,20 @@ Hkv query heads per kv head, Dh head dim.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
-from diversed_jax.models import cpu_kernels
+from diversed_jax.models import cpu_kernels, products
 from diversed_jax.models.config import ModelConfig
 
 # New tokens per sequence up to which the kernel runs (when it applies): every verification
 # and the prefill's 64-token chunks (`loop.PREFILL_CHUNK`), where XLA's grouped einsum
 # spends as long on transposed copies and masks as on the products (a [8, 64] pass: 974
-# against 1,142 ms). Longer passes (training windows) keep XLA's grouped form.
+# against 1,142 ms). Longer passes (training windows) keep XLA's grouped form, except
+# within `products.row_independent()` (greedy rounds), where the kernel takes any number
+# of tokens, so a verification of more than 64 tokens still attends as decoding does.
 KERNEL_MAX_TOKENS = 64
 
 # Up to this many query rows (T * H) per sequence, XLA's forms use `_scores_values_flat`:
@@ -42,7 +45,8 @@ USE_KERNEL = True
 
 def attention_form(config: ModelConfig, num_tokens: int, dtype) -> str:
   """"kernel", "flat" or "grouped": the form `attend` takes (decided at trace time)."""
-  kernel = (USE_KERNEL and num_tokens <= KERNEL_MAX_TOKENS
+  token_limit = math.inf if products.in_row_independent() else KERNEL_MAX_TOKENS
+  kernel = (USE_KERNEL and num_tokens <= token_limit
             and config.sliding_window is None and config.attn_logit_softcap is None
             and config.head_dim % 8 == 0 and cpu_kernels.runs_here(dtype))
   if kernel:

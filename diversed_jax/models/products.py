@@ -67,13 +67,19 @@ _ANY_ROWS_TO_KERNEL = contextvars.ContextVar("any_rows_to_kernel", default=False
 def row_independent():
   """Products traced within it take the kernel wherever it runs, whatever their number of
   rows, so each row's result is bitwise the same however many rows share the call (the
-  kernel accumulates every output in one order). Only functions traced inside are
+  kernel accumulates every output in one order); attention takes its kernel for any number
+  of tokens likewise (`attention.attention_form`). Only functions traced inside are
   affected; a jitted function traced before keeps its forms."""
   token = _ANY_ROWS_TO_KERNEL.set(True)
   try:
     yield
   finally:
     _ANY_ROWS_TO_KERNEL.reset(token)
+
+
+def in_row_independent() -> bool:
+  """Whether tracing is inside `row_independent()`."""
+  return _ANY_ROWS_TO_KERNEL.get()
 
 
 INT8_BLOCK = 32  # weights per scale in Int8Rows
@@ -117,7 +123,7 @@ class Int8Rows:
 def product_form(num_rows: int, dtype) -> str:
   """The form `matmul_oi` takes for `num_rows` rows of `dtype` (decided at trace time)."""
   on_cpu_f32 = jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
-  row_limit = math.inf if _ANY_ROWS_TO_KERNEL.get() else MAX_KERNEL_ROWS
+  row_limit = math.inf if in_row_independent() else MAX_KERNEL_ROWS
   kernel = 1 <= num_rows <= row_limit and cpu_kernels.runs_here(dtype)
   fused = on_cpu_f32 and MIN_FUSED_ROWS <= num_rows <= MAX_FEW_ROWS
   if FORCE_FORM is not None:
