@@ -321,9 +321,11 @@ def test_argmax_weight_adds_the_greedy_cross_entropy(base_draft):
     train.validate(bad)
 
 
-def test_select_by_picks_the_held_out_metric_that_scores(base_draft):
+def test_select_by_picks_the_held_out_metric_that_scores(target, shard_dir, tmp_path,
+                                                          base_draft):
   """train.select_by: the held-out score (which picks the exported best) is the mean of the
-  named metric over the held-out shards; an unknown name is rejected."""
+  named metric over the held-out shards; a resumed run keeps a best chosen by its own
+  metric only; an unknown name is rejected."""
   base, _ = base_draft
   scores = {}
   for metric in train.SELECT_BY:
@@ -337,6 +339,15 @@ def test_select_by_picks_the_held_out_metric_that_scores(base_draft):
                                rtol=1e-6)
     scores[metric] = results["score"]
   assert scores["accept1"] != scores["top11"]  # the two metrics differ on these shards
+  c = _config(shard_dir, tmp_path / "select", "feature", steps=2)
+  c.train.eval_every = 2
+  run = train.Trainer(c, target, log=_quiet)
+  run.train()  # evaluates at step 2 and exports its best by accept1
+  assert run.best == pytest.approx(run.evaluate()["score"])
+  c.train.select_by = "top11"
+  assert train.Trainer(c, target, log=_quiet).best == -1.0  # replaced at the next evaluation
+  c.train.select_by = "accept1"
+  assert train.Trainer(c, target, log=_quiet).best == run.best
   bad = _tiny_config()
   bad.train.select_by = "accept"
   with pytest.raises(ValueError, match="train.select_by='accept'.*accept1"):

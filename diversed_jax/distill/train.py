@@ -269,7 +269,10 @@ class Trainer:
     if not os.path.exists(path):
       return -1.0
     with open(path) as f:
-      return float(json.load(f).get("eval", {}).get("score", -1.0))
+      meta = json.load(f)
+    if meta.get("recipe", {}).get("select_by", "accept1") != self.config.train.select_by:
+      return -1.0  # chosen by another metric: the next evaluation replaces it
+    return float(meta.get("eval", {}).get("score", -1.0))
 
   @property
   def step(self) -> int:
@@ -341,7 +344,7 @@ class Trainer:
     # Where the draft came from, so a shipped folder says how to reproduce it.
     recipe = {"init_from": tc.init_from, "grow_layers": tc.grow_layers,
               "reselect_vocab": tc.reselect_vocab, "loss": tc.loss,
-              "argmax_weight": tc.argmax_weight,
+              "argmax_weight": tc.argmax_weight, "select_by": tc.select_by,
               "lr": tc.lr, "decay_steps": tc.decay_steps, "window": tc.window,
               "unroll": tc.unroll, "data_dirs": [dc.dir, *dc.extra_train_dirs]}
     artifacts.save_draft(folder, self.draft, self.state["params"], self.vocab_ids,
