@@ -167,15 +167,12 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
                  "positions": positions} for name, s in sums.items()}
 
 
-def greedy_tokens_per_round(target, drafts: dict, prompts, ks, max_new_tokens: int) -> dict:
-  """{name: {K: tokens a greedy SD round commits}} for each of `drafts` ({name: (draft,
-  params)}) over `prompts`, each decoded alone (a one-row queue)."""
-  from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
+def greedy_tokens_per_round(decoders: dict, prompts, ks, max_new_tokens: int) -> dict:
+  """{name: {K: tokens a greedy SD round commits}} for each of `decoders` ({name:
+  SpeculativeDecoder with its draft}) over `prompts`, each decoded alone (a one-row queue)."""
   from diversed_jax.speculative.types import VerifyParams
-  handle = ModelHandle(target.config, target.params)  # one decoding layout for all drafts
   out = {}
-  for name, (draft, params) in drafts.items():
-    dec = SpeculativeDecoder(handle, draft, params)
+  for name, dec in decoders.items():
     out[name] = {}
     for k in ks:
       gen = dec.generate(prompts, VerifyParams(method="sd", temperature=0.0), num_draft=k,
@@ -260,8 +257,12 @@ def main(argv):
       if not hasattr(getattr(draft_obj, "inner", draft_obj), "train_forward"):
         raise app.UsageError(f"--compare needs distilled draft folders; {name} is not one")
     ks = list(map(int, _KS.value))
+    # One decoder per draft over the run's target handle (one decoding layout), kept for
+    # both tasks.
+    decoders = {name: SpeculativeDecoder(dec.target, d, p, matmul_precision=_PRECISION.value)
+                for name, (d, p) in drafts.items()}
     for task, prompts in (("gsm8k", gsm), ("cnndm", cnn)):
-      rounds = greedy_tokens_per_round(target, drafts, prompts, ks, _NEW.value)
+      rounds = greedy_tokens_per_round(decoders, prompts, ks, _NEW.value)
       for name, row in paired_acceptance(target, drafts, prompts).items():
         print(json.dumps({"task": task, "draft": name, **row,
                           "greedy_tokens_per_round": rounds[name]}), flush=True)

@@ -110,12 +110,11 @@ def _metrics_and_loss(train_params, frozen, batch, *, draft, hp):
   terms = losses.distill_terms(logits, batch["topk_kept_bwk"], batch["topk_logp_bwk"])
   mask = batch["weight_bw"][None]
   main = terms["ce"] if loss_name == "kl" else terms["tv"]
-  loss = losses.masked_mean(main, jnp.broadcast_to(mask, main.shape))
+  mask_jbw = jnp.broadcast_to(mask, main.shape)  # every term is [J, B, W]
+  loss = losses.masked_mean(main, mask_jbw)
   metrics = {}
   if argmax_weight > 0:  # greedy rounds accept the target's argmax only
-    argmax_ce = terms["argmax_ce"]
-    loss = loss + argmax_weight * losses.masked_mean(
-        argmax_ce, jnp.broadcast_to(mask, argmax_ce.shape))
+    loss = loss + argmax_weight * losses.masked_mean(terms["argmax_ce"], mask_jbw)
   if draft.kind == "feature" and feature_weight > 0:
     feat = losses.feature_loss(hidden, batch["target_features_bwd"])
     feat = losses.masked_mean(feat, jnp.broadcast_to(mask, feat.shape))
