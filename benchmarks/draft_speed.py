@@ -28,7 +28,7 @@ for every draft, which moves it by a few hundredths between drafts of equal qual
 paired figure ranks drafts reliably. A folder with a context-copy gate is measured with it
 (the lookup reads the teacher-forced tokens); list 'nocopy:FOLDER' to leave it out.
 It also runs each draft in the loop, greedy, each prompt alone, and prints the tokens a
-round commits at each K in --num_draft (`greedy_tokens_per_round`): deterministic, so free
+round commits at each K in --num_draft (`metrics.greedy_tokens_per_round`): deterministic, so free
 of the timing noise, and what the batch-1 speed-up follows (a round's cost is the same for
 drafts of one architecture).
 """
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from diversed_jax.speculative import context_copy  # noqa: E402
+from diversed_jax.speculative import context_copy, metrics  # noqa: E402
 from diversed_jax.speculative.decoder import MATMUL_PRECISIONS  # noqa: E402
 
 _DRAFT = flags.DEFINE_string("draft", None, "draft spec (default: the target's default)")
@@ -167,21 +167,6 @@ def paired_acceptance(target, drafts: dict, prompts, steps: int = 3, seed: int =
                  "positions": positions} for name, s in sums.items()}
 
 
-def greedy_tokens_per_round(decoders: dict, prompts, ks, max_new_tokens: int) -> dict:
-  """{name: {K: tokens a greedy SD round commits}} for each of `decoders` ({name:
-  SpeculativeDecoder with its draft}) over `prompts`, each decoded alone (a one-row queue)."""
-  from diversed_jax.speculative.types import VerifyParams
-  out = {}
-  for name, dec in decoders.items():
-    out[name] = {}
-    for k in ks:
-      gen = dec.generate(prompts, VerifyParams(method="sd", temperature=0.0), num_draft=k,
-                         max_new_tokens=max_new_tokens, batch_size=1)
-      rounds = sum(len(a) for a in gen.accepted_per_round)
-      out[name][k] = round(gen.num_tokens / rounds, 4)
-  return out
-
-
 def greedy_speed(dec, prompts, batch: int, ks, repeats: int,
                  per_call: list | None = None) -> list[dict]:
   """Plain greedy vs greedy SD with each K in `ks` over `prompts` in batches: tokens/s end
@@ -262,10 +247,11 @@ def main(argv):
     decoders = {name: SpeculativeDecoder(dec.target, d, p, matmul_precision=_PRECISION.value)
                 for name, (d, p) in drafts.items()}
     for task, prompts in (("gsm8k", gsm), ("cnndm", cnn)):
-      rounds = greedy_tokens_per_round(decoders, prompts, ks, _NEW.value)
       for name, row in paired_acceptance(target, drafts, prompts).items():
+        rounds = {k: round(metrics.greedy_tokens_per_round(decoders[name], prompts, k,
+                                                            _NEW.value), 4) for k in ks}
         print(json.dumps({"task": task, "draft": name, **row,
-                          "greedy_tokens_per_round": rounds[name]}), flush=True)
+                          "greedy_tokens_per_round": rounds}), flush=True)
     return
   results = {"draft": spec, "target": target.name, "num_prompts": n,
              "max_new_tokens": _NEW.value, "backend": jax.default_backend(),

@@ -1,6 +1,7 @@
 """Summary figures of a decoded batch: acceptance rate, tokens per round, theory.
 
-All computed on the host from `Generation.stats` ([R, B, ...] numpy arrays), once per batch.
+All computed on the host from `Generation.stats` ([R, B, ...] numpy arrays), once per batch;
+`greedy_tokens_per_round` decodes its prompts itself, for drafts compared by that figure.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from diversed_jax.speculative import acceptance
+from diversed_jax.speculative.types import VerifyParams
 
 
 def served_mask(stats, prompt: int) -> np.ndarray:
@@ -46,3 +48,16 @@ def summarize_generation(generation, speculative: bool) -> dict:
   out = summarize(generation.stats, generation.num_tokens, speculative)
   out["accepted_per_round"] = generation.accepted_per_round[0] if speculative else []
   return out
+
+
+def greedy_tokens_per_round(decoder, prompts, num_draft: int, max_new_tokens: int) -> float:
+  """Tokens a greedy exact SD round commits, over `prompts` decoded alone (a one-row queue).
+
+  Deterministic, so it ranks drafts of one architecture by batch-1 speed without timing
+  noise: their rounds cost the same, and a greedy round's output is plain decoding's.
+  """
+  generation = decoder.generate(prompts, VerifyParams(method="sd", temperature=0.0),
+                                num_draft=num_draft, max_new_tokens=max_new_tokens,
+                                batch_size=1)
+  rounds = sum(len(accepted) for accepted in generation.accepted_per_round)
+  return generation.num_tokens / rounds
