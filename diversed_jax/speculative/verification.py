@@ -2,7 +2,7 @@
 
 Shape legend: B rows, K drafted tokens per round, J = K or K + 1 draft positions, V vocabulary.
 
-Every rule has one signature (see /work/shared/docs/methods.md for the maths):
+Every rule has one signature (see docs/methods.md for the maths):
 
   rule(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None)
       -> Verdict
