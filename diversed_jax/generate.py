@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.models import loading
-from diversed_jax.speculative import build, metrics
+from diversed_jax.speculative import build, metrics, verification
 from diversed_jax.speculative.decoder import MATMUL_PRECISIONS
 from diversed_jax.speculative.types import CASCADE_RULES, METHODS, VerifyParams
 
@@ -53,11 +53,30 @@ def verify_params_from_flags() -> VerifyParams:
                       epsilon=_EPSILON.value)
 
 
-def main(argv):
-  del argv
+def check_flags() -> VerifyParams:
+  """The run's VerifyParams, after checking every flag before any model loads."""
   if _PROMPT.value is None:
     raise app.UsageError("--prompt is required")
+  if _MAX_NEW.value < 1:
+    raise app.UsageError(f"--max_new_tokens must be >= 1, got {_MAX_NEW.value}")
+  speculative = _METHOD.value != "ar"
+  if _NUM_DRAFT.value < int(speculative):
+    raise app.UsageError(f"--num_draft must be >= {int(speculative)} with --method="
+                         f"{_METHOD.value}, got {_NUM_DRAFT.value}")
   verify = verify_params_from_flags()
+  try:
+    verification.validate_params(verify)
+  except ValueError as error:  # its fields are this program's flags
+    raise app.UsageError(str(error).replace("VerifyParams.", "--")) from None
+  if not speculative and _DRAFT.value is not None:
+    logging.warning("--method=ar decodes with the target alone; --draft=%s is not used.",
+                    _DRAFT.value)
+  return verify
+
+
+def main(argv):
+  del argv
+  verify = check_flags()
   target = loading.load_model(_TARGET.value)
   tokenizer = tokenizer_lib.load_tokenizer(_TARGET.value)
   decoder, info = build.build_decoder(target, _DRAFT.value, _HEAD.value, _TASK.value,

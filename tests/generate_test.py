@@ -62,3 +62,21 @@ def test_generate_rejects_a_draft_with_another_vocabulary(tiny_model_folder, tmp
       capture_output=True, text=True, env=env, timeout=600)
   assert result.returncode != 0
   assert "vocabulary size 100" in result.stderr and "49152" in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--method=sd", "--num_draft=0"], "--num_draft must be >= 1 with --method=sd, got 0"),
+    (["--num_draft=-1"], "--num_draft must be >= 0 with --method=ar, got -1"),
+    (["--temperature=-1"], "--temperature must be >= 0, got -1.0"),
+    (["--method=lossy", "--lenience=2"], "--lenience must be in (0, 1], got 2.0"),
+    (["--max_new_tokens=0"], "--max_new_tokens must be >= 1, got 0"),
+])
+def test_generate_rejects_bad_flags_before_loading_a_model(flags, message):
+  # The target does not exist: the run must stop at the flags, naming the bad one.
+  result = subprocess.run(
+      [sys.executable, "-m", "diversed_jax.generate", "--target=/nonexistent/model",
+       "--prompt=hi", *flags],
+      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+  assert result.returncode != 0
+  assert message in result.stderr
+  assert "no model at" not in result.stderr
