@@ -434,6 +434,24 @@ def test_grown_draft_starts_as_the_trained_one(target, shard_dir, tmp_path, base
     train.Trainer(c, target, log=_quiet)
 
 
+def test_training_waits_for_shards_and_says_how_to_write_them(target, tmp_path, monkeypatch):
+  (tmp_path / "shards").mkdir()
+  said, sleeps = [], []
+
+  def sleep(seconds):  # the second wait ends the test: no data job is writing
+    sleeps.append(seconds)
+    if len(sleeps) == 2:
+      raise TimeoutError
+
+  monkeypatch.setattr(train.time, "sleep", sleep)
+  with pytest.raises(TimeoutError):
+    train.Trainer(_config(str(tmp_path / "shards"), tmp_path / "run", "feature"), target,
+                  log=said.append)
+  waits = [line for line in said if line.startswith("waiting for")]
+  assert len(waits) == 2 and "(have 0)" in waits[0]
+  assert "--config.mode=data" in waits[0] and "--config.mode=data" not in waits[1]
+
+
 def test_windows_and_vocab():
   rng = np.random.default_rng(0)
   seq = batches.Sequence(tokens=np.arange(10, dtype=np.int32), prompt_length=4,

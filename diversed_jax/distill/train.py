@@ -212,11 +212,16 @@ class Trainer:
 
   # ---- state -------------------------------------------------------------------------
   def _wait_for_shards(self, needed: int) -> int:
+    """Blocks until `needed` shards exist: a data job may be writing them beside this run."""
+    hint = (" (write them with the same config and --config.mode=data, which may run beside"
+            " this one)")
     while True:
       n = self.pool.available()
       if n >= needed:
         return n
-      self.log(f"waiting for {needed} training shards in {self.config.data.dir} (have {n})")
+      self.log(f"waiting for {needed} training shards in {self.config.data.dir} (have {n})"
+               + hint)
+      hint = ""  # said once
       time.sleep(60)
 
   def _setup(self):
