@@ -28,9 +28,9 @@ for every draft, which moves it by a few hundredths between drafts of equal qual
 paired figure ranks drafts reliably. A folder with a context-copy gate is measured with it
 (the lookup reads the teacher-forced tokens); list 'nocopy:FOLDER' to leave it out.
 It also runs each draft in the loop, greedy, each prompt alone, and prints the tokens a
-round commits at each K in --num_draft (`metrics.greedy_tokens_per_round`): deterministic, so free
-of the timing noise, and what the batch-1 speed-up follows (a round's cost is the same for
-drafts of one architecture).
+round commits at each K in --num_draft (`metrics.greedy_tokens_per_round`): deterministic,
+so free of the timing noise, and what the batch-1 speed-up follows (a round's cost is the
+same for drafts of one architecture).
 """
 
 from __future__ import annotations
