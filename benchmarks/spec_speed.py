@@ -167,8 +167,8 @@ def main(argv):
       tokens, seconds, batch_rounds, row_rounds, row_slots, summaries = run_method(
           decoder, batches, verify_params[m], k, rows)
       timing = paired_timing.CallTiming(
-          seconds=seconds, prefill_s=prefill_s, tokens=tokens, batch_rounds=batch_rounds, row_rounds=row_rounds,
-          row_slots=row_slots)
+          seconds=seconds, prefill_s=prefill_s, tokens=tokens, batch_rounds=batch_rounds,
+          row_rounds=row_rounds, row_slots=row_slots)
       return timing, costs, summaries
 
     # Every method call sits between two AR calls, in a new random order of the methods

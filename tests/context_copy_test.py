@@ -1,6 +1,6 @@
 """Context copying: the suffix lookup against a plain-Python reference, the blended law,
-the gate's features and checks, and the history following the cache's rows (the copying draft inside the
-speculative loop, and the gate's fitting, are in distill_test.py)."""
+the gate's features and checks, and the history following the cache's rows (the copying
+draft inside the speculative loop, and the gate's fitting, are in distill_test.py)."""
 
 import numpy as np
 import jax

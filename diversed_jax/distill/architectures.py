@@ -300,7 +300,8 @@ def init_train_params(draft: DistilledDraft, key, target_params=None, std: float
   else:
     if cfg.hidden_size != dt:
       train["in_proj"] = jax.random.normal(k_proj, (dt, cfg.hidden_size)) * dt ** -0.5
-      train["head_proj"] = jax.random.normal(k_head, (cfg.hidden_size, dt)) * cfg.hidden_size ** -0.5
+      train["head_proj"] = (jax.random.normal(k_head, (cfg.hidden_size, dt))
+                            * cfg.hidden_size ** -0.5)
   return train
 
 

@@ -31,7 +31,8 @@ def load_sequences(path: str) -> list[Sequence]:
     arrays = {k: z[k] for k in z.files}
   out = []
   for i, n in enumerate(arrays["lengths"]):
-    out.append(Sequence(tokens=arrays["tokens"][i, :n], prompt_length=int(arrays["prompt_lengths"][i]),
+    out.append(Sequence(tokens=arrays["tokens"][i, :n],
+                        prompt_length=int(arrays["prompt_lengths"][i]),
                         hidden=arrays["hidden"][i, :n], topk_ids=arrays["topk_ids"][i, :n],
                         topk_logp=arrays["topk_logp"][i, :n], source=""))
   return out
