@@ -65,9 +65,9 @@ def check_flags() -> VerifyParams:
                          f"{_METHOD.value}, got {_NUM_DRAFT.value}")
   verify = verify_params_from_flags()
   try:
-    verification.validate_params(verify)
-  except ValueError as error:  # its fields are this program's flags
-    raise app.UsageError(str(error).replace("VerifyParams.", "--")) from None
+    verification.validate_params(verify, prefix="--")  # its fields are this program's flags
+  except ValueError as error:
+    raise app.UsageError(str(error)) from None
   if not speculative and _DRAFT.value is not None:
     logging.warning("--method=ar decodes with the target alone; --draft=%s is not used.",
                     _DRAFT.value)

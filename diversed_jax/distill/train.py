@@ -110,14 +110,14 @@ def _metrics_and_loss(train_params, frozen, batch, *, draft, hp):
   terms = losses.distill_terms(logits, batch["topk_kept_bwk"], batch["topk_logp_bwk"])
   mask = batch["weight_bw"][None]
   main = terms["ce"] if loss_name == "kl" else terms["tv"]
-  mask_jbw = jnp.broadcast_to(mask, main.shape)  # every term is [J, B, W]
+  mask_jbw = jnp.broadcast_to(mask, main.shape)  # every loss term is [J, B, W]
   loss = losses.masked_mean(main, mask_jbw)
   metrics = {}
   if argmax_weight > 0:  # greedy rounds accept the target's argmax only
     loss = loss + argmax_weight * losses.masked_mean(terms["argmax_ce"], mask_jbw)
   if draft.kind == "feature" and feature_weight > 0:
     feat = losses.feature_loss(hidden, batch["target_features_bwd"])
-    feat = losses.masked_mean(feat, jnp.broadcast_to(mask, feat.shape))
+    feat = losses.masked_mean(feat, mask_jbw)
     loss = loss + feature_weight * feat
     metrics["feature"] = feat
   gen_mask = (batch["weight_bw"] == 1.0).astype(jnp.float32)[None]

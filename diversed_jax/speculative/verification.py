@@ -46,8 +46,9 @@ _NEG_LOGIT = -1e30
 # ----------------------------------------------------------------------------- plumbing
 
 
-def validate_params(params: VerifyParams) -> None:
-  """Raises ValueError naming the first out-of-range field of `params`."""
+def validate_params(params: VerifyParams, prefix: str = "VerifyParams.") -> None:
+  """Raises ValueError naming the first out-of-range field of `params` (as `prefix` + its
+  name: a command line names its flags)."""
   checks = (
       ("temperature", params.temperature >= 0, ">= 0"),
       ("top_p", 0 < params.top_p <= 1, "in (0, 1]"),
@@ -61,7 +62,7 @@ def validate_params(params: VerifyParams) -> None:
   )
   for name, ok, want in checks:
     if not ok:
-      raise ValueError(f"VerifyParams.{name} must be {want}, got {getattr(params, name)!r}")
+      raise ValueError(f"{prefix}{name} must be {want}, got {getattr(params, name)!r}")
 
 
 def _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params):
