@@ -155,14 +155,34 @@ def test_gsm8k_local_jsonl_override(tmp_path):
   assert examples[0].reference == "5"
 
 
-def test_bad_override_on_the_command_line_fails_before_loading(tmp_path):
+@pytest.mark.parametrize("module, args, message", [
+    ("diversed_jax.main", ["--config=configs/gsm8k.py", "--workdir={tmp}",
+                           "--config.decode.temperature=-1"],
+     "decode.temperature=-1.0: must be >= 0"),
+    ("diversed_jax.training", ["--workdir={tmp}", "--target=/nonexistent/model",
+                               "--train.lam=-1"],
+     "--train.lam=-1.0: must be >= 0"),
+    ("diversed_jax.training", ["--workdir={tmp}", "--target=/nonexistent/model",
+                               "--task=news"],
+     "--task: unknown task 'news'"),
+    ("diversed_jax.training", ["--workdir={tmp}", "--target=/nonexistent/model",
+                               "--shots=-1"],
+     "--shots must be >= 0, got -1"),
+    ("diversed_jax.distill", ["--config=configs/distill_smollm2.py", "--config.workdir={tmp}",
+                              "--config.target=/nonexistent/model", "--config.train.batch=0"],
+     "config.train.batch=0 is invalid"),
+])
+def test_bad_value_on_the_command_line_is_a_usage_error_before_loading(tmp_path, module, args,
+                                                                        message):
+  # The entry points check their flags first and name the bad field and value (no
+  # traceback); a check after loading would meet the missing model or print its loading.
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-      [sys.executable, "-m", "diversed_jax.main", "--config=configs/gsm8k.py",
-       f"--workdir={tmp_path}", "--config.decode.temperature=-1"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  args = [arg.format(tmp=tmp_path) for arg in args]
+  proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
-  assert "ValueError: decode.temperature=-1.0" in proc.stderr, proc.stderr[-2000:]
+  assert message in proc.stderr, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr and "no model at" not in proc.stderr
   assert "loading target" not in proc.stdout
 
 

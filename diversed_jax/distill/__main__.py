@@ -1,6 +1,6 @@
 """python -m diversed_jax.distill --config=configs/distill_smollm2.py [--config.mode=data]"""
 
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "distillation config file",
@@ -8,10 +8,16 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "distillation config f
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from diversed_jax.distill import train
+  try:  # a bad field is the user's input: a usage error naming it, not a traceback
+    train.validate(_CONFIG.value)
+  except ValueError as error:
+    raise app.UsageError(str(error)) from None
   train.run(_CONFIG.value)
 
 
 if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
   app.run(main)

@@ -32,19 +32,42 @@ _SHIP_AS = flags.DEFINE_string("ship_as", None, "copy the head to assets/heads/<
 config_flags.DEFINE_config_dict("train", default_config(), lock_config=True)
 
 
+def check_flags():
+  """The run's task, after checking every flag that needs no model: each bad value is a
+  usage error naming the flag (or `--train.<field>`) and the value, before anything loads."""
+  from diversed_jax.tasks.registry import get_task
+  from diversed_jax.training.config import validate
+  try:
+    validate(flags.FLAGS.train)
+  except ValueError as error:  # "train.lam=-1.0: ..." names the flag --train.lam
+    raise app.UsageError(f"--{error}" if str(error).startswith("train.") else str(error)) \
+        from None
+  try:
+    task = get_task(_TASK.value)
+  except ValueError as error:
+    raise app.UsageError(f"--task: {error}") from None
+  for flag, low in ((_LIMIT, 1), (_SHOTS, 0), (_MAX_WORDS, 1)):
+    if flag.value is not None and flag.value < low:
+      raise app.UsageError(f"--{flag.name} must be >= {low}, got {flag.value}")
+  if _SHOTS.value and task.name == "humaneval":
+    raise app.UsageError("--shots: humaneval has no train split to draw few-shot examples "
+                         "from")
+  return task
+
+
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  task = check_flags()
   from diversed_jax.models import loading
   from diversed_jax.speculative import build
   from diversed_jax.tasks import prompts as prompts_lib
-  from diversed_jax.tasks.registry import get_task
   from diversed_jax.tokenizer import load_tokenizer
   from diversed_jax.training import artifacts
   from diversed_jax.training.trainer import text_task, train_head
 
   target = loading.load_model(_TARGET.value)
   draft, draft_params, draft_spec = build.load_draft(_DRAFT.value, target)
-  task = get_task(_TASK.value)
   if _MAX_WORDS.value is not None:
     task = dataclasses.replace(task, max_source_words=_MAX_WORDS.value)
   examples = task.load(source=_SOURCE.value, split=_SPLIT.value, limit=_LIMIT.value)
