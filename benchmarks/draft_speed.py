@@ -219,8 +219,7 @@ def greedy_speed(dec, prompts, batch: int, ks, repeats: int,
 
 def main(argv):
   del argv
-  import jax
-
+  from bench_setup import host_info  # benchmarks/, beside this script
   from diversed_jax.models.loading import load_model
   from diversed_jax.speculative import build
   from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
@@ -254,7 +253,7 @@ def main(argv):
                           "greedy_tokens_per_round": rounds}), flush=True)
     return
   results = {"draft": spec, "target": target.name, "num_prompts": n,
-             "max_new_tokens": _NEW.value, "backend": jax.default_backend(),
+             "max_new_tokens": _NEW.value, "host": host_info(),
              "matmul_precision": _PRECISION.value, "shrink_tail": _SHRINK_TAIL.value}
   results["cost"] = step_cost(dec, _ACCEPT_K.value, _REPEATS.value)
   print(json.dumps(results), flush=True)

@@ -74,7 +74,7 @@ from diversed_jax.speculative import loop, metrics, paired_timing, step_costs
 from diversed_jax.speculative.decoder import PROMPT_BUCKETS
 from diversed_jax.speculative.types import VerifyParams
 
-from bench_setup import gsm8k_test_prompts, load_decoder  # benchmarks/, beside this script
+from bench_setup import gsm8k_test_prompts, host_info, load_decoder  # benchmarks/, beside it
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct", "Target model.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft spec (default: the target's default).")
@@ -132,7 +132,7 @@ def main(argv):
   print(f"target={info['target']} draft={info['draft']} K={k} T={_TEMPERATURE.value} "
         f"max_new_tokens={_MAX_NEW.value}, shrink_tail={_SHRINK_TAIL.value}, "
         f"{_REPEATS.value} pairs per method")
-  results = {}  # written to --out after each batch size
+  results = {"host": host_info()}  # written to --out after each batch size
   for batch in (int(b) for b in _BATCH_SIZES.value):
     queued = batch > 1 and _QUEUE.value > batch
     if queued:  # one call: Q prompts through B rows
