@@ -16,6 +16,8 @@ Measures, in one run:
              batch-8 calls drop finished rows, as spec_speed.py does; --per_prompt:
              each batch-1 prompt's prefill, rounds, and speed-up end to end and in the
              decoding phase).
+  goals      issue 4's bars against this run's figures, met or missed (printed last and
+             kept in --out as "goals").
 
   python benchmarks/draft_speed.py --compare=FOLDER[,FOLDER...] [--num_prompts=24]
 
@@ -217,6 +219,37 @@ def greedy_speed(dec, prompts, batch: int, ks, repeats: int,
            "identical": rows["sd", k] == rows["ar", 0]} for k in ks]
 
 
+# Issue 4's bars: draft cost, T = 1 acceptance per task, greedy speed-up per batch size.
+MAX_COST = 0.12
+MIN_ACCEPT = {"gsm8k": 0.55, "cnndm": 0.40}
+MIN_SPEEDUP = {1: 1.4, 8: 1.0}
+
+
+def goals(results: dict) -> list[str]:
+  """One line per issue-4 goal that `results` measured: the figure, the bar, met or not.
+  A speed-up counts only with outputs identical to plain decoding's; batch 8 must beat
+  plain decoding (strictly), batch 1 reach its bar."""
+  lines = []
+  if "cost" in results:
+    cost = results["cost"]["cost"]
+    lines.append(f"cost {cost:.3f} <= {MAX_COST}: {'met' if cost <= MAX_COST else 'missed'}")
+  for task, bar in MIN_ACCEPT.items():
+    if task in results:
+      accept = results[task]["accept"]
+      lines.append(f"{task} acceptance {accept:.3f} >= {bar}: "
+                   f"{'met' if accept >= bar else 'missed'} (this run's sampled path; "
+                   "--compare gives the paired figure)")
+  for batch, bar in MIN_SPEEDUP.items():
+    rows = [r for r in results.get(f"greedy_batch{batch}", []) if r["identical"]]
+    if not rows:
+      continue
+    best = max(rows, key=lambda r: r["speedup"])
+    met = best["speedup"] > bar if batch > 1 else best["speedup"] >= bar
+    lines.append(f"batch {batch} speed-up {best['speedup']:.3f} (K = {best['k']}) "
+                 f"{'>' if batch > 1 else '>='} {bar}: {'met' if met else 'missed'}")
+  return lines
+
+
 def main(argv):
   del argv
   from bench_setup import host_info  # benchmarks/, beside this script
@@ -277,7 +310,9 @@ def main(argv):
     results["greedy_batch8"] = greedy_speed(dec, gsm[:8], 8, ks, _REPEATS.value)
     for row in results["greedy_batch8"]:
       print(json.dumps(row), flush=True)
+  results["goals"] = goals(results)
   print(json.dumps(results, indent=1), flush=True)
+  print("issue 4 goals:\n  " + "\n  ".join(results["goals"]), flush=True)
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump(results, f, indent=1)
