@@ -15,6 +15,7 @@ import sys
 
 from absl import app, flags, logging
 
+from diversed_jax import cli
 from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.models import loading
 from diversed_jax.speculative import build, metrics, verification
@@ -64,10 +65,8 @@ def check_flags() -> VerifyParams:
     raise app.UsageError(f"--num_draft must be >= {int(speculative)} with --method="
                          f"{_METHOD.value}, got {_NUM_DRAFT.value}")
   verify = verify_params_from_flags()
-  try:
+  with cli.usage_errors():
     verification.validate_params(verify, prefix="--")  # its fields are this program's flags
-  except ValueError as error:
-    raise app.UsageError(str(error)) from None
   if not speculative and _DRAFT.value is not None:
     logging.warning("--method=ar decodes with the target alone; --draft=%s is not used.",
                     _DRAFT.value)

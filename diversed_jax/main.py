@@ -18,12 +18,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: config.
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from diversed_jax import cli
   from diversed_jax.evaluation import runner
   from diversed_jax.evaluation.validate import validate
-  try:  # a bad field is the user's input: a usage error naming it, not a traceback
+  with cli.usage_errors():
     validate(_CONFIG.value)
-  except ValueError as error:
-    raise app.UsageError(str(error)) from None
   runner.run(_CONFIG.value, _WORKDIR.value)
 
 

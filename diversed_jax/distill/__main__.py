@@ -10,11 +10,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "distillation config f
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from diversed_jax import cli
   from diversed_jax.distill import train
-  try:  # a bad field is the user's input: a usage error naming it, not a traceback
+  with cli.usage_errors():
     train.validate(_CONFIG.value)
-  except ValueError as error:
-    raise app.UsageError(str(error)) from None
   train.run(_CONFIG.value)
 
 

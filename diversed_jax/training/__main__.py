@@ -35,17 +35,13 @@ config_flags.DEFINE_config_dict("train", default_config(), lock_config=True)
 def check_flags():
   """The run's task, after checking every flag that needs no model: each bad value is a
   usage error naming the flag (or `--train.<field>`) and the value, before anything loads."""
+  from diversed_jax import cli
   from diversed_jax.tasks.registry import get_task
   from diversed_jax.training.config import validate
-  try:
+  with cli.usage_errors("--"):  # "train.lam=-1.0: ..." names the flag --train.lam
     validate(flags.FLAGS.train)
-  except ValueError as error:  # "train.lam=-1.0: ..." names the flag --train.lam
-    raise app.UsageError(f"--{error}" if str(error).startswith("train.") else str(error)) \
-        from None
-  try:
+  with cli.usage_errors("--task: "):
     task = get_task(_TASK.value)
-  except ValueError as error:
-    raise app.UsageError(f"--task: {error}") from None
   for flag, low in ((_LIMIT, 1), (_SHOTS, 0), (_MAX_WORDS, 1)):
     if flag.value is not None and flag.value < low:
       raise app.UsageError(f"--{flag.name} must be >= {low}, got {flag.value}")
