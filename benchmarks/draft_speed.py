@@ -222,13 +222,13 @@ def greedy_speed(dec, prompts, batch: int, ks, repeats: int,
 # Issue 4's bars: draft cost, T = 1 acceptance per task, greedy speed-up per batch size.
 MAX_COST = 0.12
 MIN_ACCEPT = {"gsm8k": 0.55, "cnndm": 0.40}
-MIN_SPEEDUP = {1: 1.4, 8: 1.0}
+# batch: (bar, strict); batch 8 must beat plain decoding, batch 1 reach 1.4x.
+MIN_SPEEDUP = {1: (1.4, False), 8: (1.0, True)}
 
 
 def goals(results: dict) -> list[str]:
   """One line per issue-4 goal that `results` measured: the figure, the bar, met or not.
-  A speed-up counts only with outputs identical to plain decoding's; batch 8 must beat
-  plain decoding (strictly), batch 1 reach its bar."""
+  A speed-up counts only with outputs identical to plain decoding's."""
   lines = []
   if "cost" in results:
     cost = results["cost"]["cost"]
@@ -239,14 +239,14 @@ def goals(results: dict) -> list[str]:
       lines.append(f"{task} acceptance {accept:.3f} >= {bar}: "
                    f"{'met' if accept >= bar else 'missed'} (this run's sampled path; "
                    "--compare gives the paired figure)")
-  for batch, bar in MIN_SPEEDUP.items():
+  for batch, (bar, strict) in MIN_SPEEDUP.items():
     rows = [r for r in results.get(f"greedy_batch{batch}", []) if r["identical"]]
     if not rows:
       continue
     best = max(rows, key=lambda r: r["speedup"])
-    met = best["speedup"] > bar if batch > 1 else best["speedup"] >= bar
+    met = best["speedup"] > bar if strict else best["speedup"] >= bar
     lines.append(f"batch {batch} speed-up {best['speedup']:.3f} (K = {best['k']}) "
-                 f"{'>' if batch > 1 else '>='} {bar}: {'met' if met else 'missed'}")
+                 f"{'>' if strict else '>='} {bar}: {'met' if met else 'missed'}")
   return lines
 
 
