@@ -505,3 +505,33 @@ def test_step_costs_time_the_decoder_calls_and_predict_the_speedup(pair):
   assert best == step_costs.StepCosts(0.01, 0.03, 0.002, 0.002)
   with pytest.raises(ValueError, match="draft"):
     step_costs.measure(decoder_lib.SpeculativeDecoder(target), 1, 3, 32)
+
+
+def test_step_costs_time_the_catch_up_call_as_the_loop_makes_it(pair):
+  # The loop's first draft call of a round keeps only its last token's logits; timing it
+  # with every token's logits overstated c2 and biased the predicted speed-up low.
+  from diversed_jax.speculative import step_costs
+  target, draft, draft_params = pair
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  calls = []
+  original = drafts.LMDraft.forward
+
+  def spy(self, params, tokens_bt, cache, target_hidden_btd=None, last_only=False):
+    calls.append((tokens_bt.shape[1], target_hidden_btd is not None, last_only))
+    return original(self, params, tokens_bt, cache, target_hidden_btd, last_only)
+
+  with mock.patch.object(drafts.LMDraft, "forward", spy):
+    step_costs.sample_calls(dec, batch=3, num_draft=2, cache_len=24, repeats=1,
+                            steps_per_call=1)
+  assert (2, True, True) in calls and (1, False, False) in calls, calls
+  assert all(last_only for _, with_features, last_only in calls if with_features), calls
+
+
+@pytest.mark.parametrize("method", ["static", "static_logit"])
+def test_static_rules_record_their_weight(pair, method):
+  # The reports' mean w reads weights_rbk; it used to be zeros for the static ensembles.
+  dec = decoder_lib.SpeculativeDecoder(*pair)
+  out = dec.generate(PROMPTS, VerifyParams(method=method, temperature=1.0, weight=0.3),
+                     num_draft=2, max_new_tokens=6, eos_token_ids=())
+  active = np.asarray(out.stats.active_rb, bool)
+  np.testing.assert_allclose(np.asarray(out.stats.weights_rbk)[active], 0.3)

@@ -1,7 +1,10 @@
 """`metrics.greedy_tokens_per_round` (what `draft_speed.py --compare` ranks drafts by), on a
-tiny random target."""
+tiny random target, and `metrics.summarize` on hand-made round statistics."""
+
+import types
 
 import jax
+import numpy as np
 
 from diversed_jax.models import ModelConfig, init_params
 from diversed_jax.speculative import drafts, metrics
@@ -24,3 +27,28 @@ def test_greedy_tokens_per_round_counts_the_loops_rounds():
   for k, expected in ((2, 3.0), (4, 4.5)):
     assert metrics.greedy_tokens_per_round(itself, prompts, k, max_new_tokens=9) == expected
     assert 1.0 <= metrics.greedy_tokens_per_round(self_1, prompts, k, max_new_tokens=9) < expected
+
+
+def test_summarize_counts_only_active_row_rounds():
+  # R = 3 rounds, B = 2 rows, K = 3; row 1 is idle in the last round.
+  stats = types.SimpleNamespace(
+      active_rb=np.array([[1, 1], [1, 1], [1, 0]], bool),
+      prompt_rb=np.zeros((3, 2), np.int32),
+      num_accepted_rb=np.array([[3, 0], [1, 0], [0, 3]], np.int32),
+      accept_prob_rbk=np.array([[[1.0, 0.5, 0.5], [0.2, 0.2, 0.2]],
+                                [[1.0, 0.0, 0.5], [0.0, 1.0, 1.0]],
+                                [[0.5, 0.5, 0.5], [1.0, 1.0, 1.0]]], np.float32),
+      beta_rbk=np.array([[[0.8, 0.6, 0.4], [0.5, 0.5, 0.5]],
+                         [[0.9, 0.3, 0.7], [0.1, 0.9, 0.9]],
+                         [[0.4, 0.4, 0.4], [1.0, 1.0, 1.0]]], np.float32))
+  out = metrics.summarize(stats, num_tokens=9, speculative=True)
+  assert out["rounds"] == 5
+  assert out["tokens_per_round"] == 9 / 5
+  assert out["acceptance_rate"] == 4 / 15  # (3 + 1 + 0 + 0) accepted of 5 x 3 drafts
+  assert out["mean_accepted"] == 4 / 5
+  # sum_n (prod_{i<n} a_i) beta_n, row-round by row-round, the idle one left out.
+  by_hand = [0.8 + 1.0 * 0.6 + 0.5 * 0.4, 0.5 + 0.2 * 0.5 + 0.04 * 0.5,
+             0.9 + 1.0 * 0.3 + 0.0, 0.1 + 0.0 + 0.0, 0.4 + 0.5 * 0.4 + 0.25 * 0.4]
+  np.testing.assert_allclose(out["expected_accepted_theory"], np.mean(by_hand), rtol=1e-6)
+  plain = metrics.summarize(stats, num_tokens=9, speculative=False)
+  assert plain["acceptance_rate"] == 0.0 and plain["tokens_per_round"] == 9 / 5

@@ -50,7 +50,9 @@ def test_default_config_validates_and_freezes():
 @pytest.mark.parametrize("field,value", [
     ("head_kind", "conv"), ("init_weight", 1.0), ("lam", -0.1), ("temperature", 0.0),
     ("advantage", "ppo"), ("warmup_steps", 40), ("rollouts_per_prompt", 1),
-    ("num_draft", 0), ("clip_eps", 1.5), ("checkpoint_every", 0)])
+    ("num_draft", 0), ("clip_eps", 1.5), ("checkpoint_every", 0), ("lam", float("nan")),
+    ("lam", float("inf")), ("weight_decay", float("nan")), ("grad_clip", float("nan")),
+    ("learning_rate", float("inf")), ("seed", -1)])
 def test_validate_names_the_bad_field(field, value):
   cfg = config_lib.default_config()
   cfg[field] = value
@@ -210,6 +212,23 @@ def test_shipped_head_registration(toy_runs, monkeypatch, tmp_path):
   key = ("tiny", os.path.join(artifacts.PACKAGE_DIR, "assets/drafts/x"), "toy")
   assert build.DEFAULT_HEADS == {key: str(assets / "toy-head")}
   assert build.HEAD_LOADER == [head_io.load_head_folder]
+
+
+def test_ppo_epochs_keep_the_learning_rate_until_the_last_step(tmp_path):
+  # Each rollout step makes ppo_epochs updates; a schedule counted in rollout steps would
+  # decay to 0 after total_steps / ppo_epochs of them and freeze the head from then on.
+  from diversed_jax.training.checkpoint import Checkpointer
+  toy.run(str(tmp_path), progress=None, total_steps=4, ppo_epochs=2, checkpoint_every=1,
+          keep_checkpoints=2)
+  ckpt = Checkpointer(str(tmp_path / "checkpoints"))
+  assert ckpt.latest_step() == 4
+  like = ckpt.manager.item_metadata(4).state
+  before, _ = ckpt.restore(3, like)
+  after, _ = ckpt.restore(4, like)
+  ckpt.close()
+  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                       before["params"], after["params"])
+  assert max(jax.tree.leaves(moved)) > 1e-4, moved
 
 
 # ---------------------------------------------------------------- resume after kill -9

@@ -127,7 +127,13 @@ def np_rule(params, i, zq=ZQ, zp=ZP, weights=WEIGHTS):
                     params.cascade_alpha)
   elif m == "mentored":
     c = np_mentored_c(q, p, params.epsilon)
-    a = np.ones_like(q) if np.isinf(c) else ratio(c * p)
+    if np.isinf(c):  # every x with p > 0 accepted; the budget left goes to q's mass at p = 0
+      finite_excess = np.maximum(q - p, 0)[p > 0].sum()
+      q_at_zero_p = q[(p <= 0) & (q > 0)].sum()
+      rest = np.clip((params.epsilon - finite_excess) / max(q_at_zero_p, 1e-30), 0, 1)
+      a = np.where(p > 0, 1.0, rest)
+    else:
+      a = ratio(c * p)
     return q, a, q * a + (1 - (q * a).sum()) * resid
   elif m == "typical":
     h = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0))
@@ -217,8 +223,8 @@ def check_acceptance_equals_beta(params, x, verdict, out):
   for i in range(K):
     q, a, pi = np_rule(params, i)
     beta = (q * a).sum()
-    if params.method not in ("typical", "lossy", "mentored"):
-      assert abs(beta - np.minimum(q, pi).sum()) < 1e-9
+    if params.method != "typical":  # its residual p can put mass where a = 0
+      assert abs(beta - np.minimum(q, pi).sum()) < 1e-6
     np.testing.assert_allclose(verdict.beta_bk[:, i], beta, atol=2e-5)
     np.testing.assert_allclose(verdict.accept_prob_bk[:, i], a[x[:, i]], atol=2e-5)
   assert abs(out.accepted_bk[:, 0].mean() - verdict.beta_bk[0, 0]) < RATE_TOL
@@ -283,6 +289,8 @@ def test_temperature_zero(name):
     assert np.all(n == first_mismatch)
   if params.method == "mentored":  # argmax q != argmax p at position 1: accept w.p. eps
     assert abs(out.accepted_bk[:, 0].mean() - params.epsilon) < 0.015  # std <= 0.0036
+  q, a, pi = np_rule(params, 0)  # the first emitted token's law, as at T > 0
+  assert tv(empirical(out.tokens_bk1[:, 0]), pi) < TV_TOL, name
 
 
 def test_hand_computed_example():
@@ -397,8 +405,8 @@ def test_rules_jit_with_static_params_and_match_verdict_shapes():
     assert verdict.residual_bkv.shape == (b, k, V) and verdict.bonus_bv.shape == (b, V)
     np.testing.assert_allclose(verdict.residual_bkv.sum(-1), 1.0, atol=1e-5)
     np.testing.assert_allclose(verdict.bonus_bv.sum(-1), 1.0, atol=1e-5)
-  out = verification.resolve_round(verdict, x, key)
-  assert out.tokens_bk1.shape == (b, k + 1) and out.next_token_b.dtype == jnp.int32
+    out = verification.resolve_round(verdict, x, key)
+    assert out.tokens_bk1.shape == (b, k + 1) and out.next_token_b.dtype == jnp.int32
 
 
 # ------------------------------------------------------------------------ distributions

@@ -69,6 +69,15 @@ def _group_mean(x_b: jax.Array, group_ids_b: jax.Array, mask_b: jax.Array) -> ja
   return (same_bb @ x_b) / jnp.maximum(same_bb.sum(-1), 1.0)
 
 
+def _group_centred(x_b: jax.Array, group_ids_b: jax.Array, mask_b: jax.Array) -> jax.Array:
+  """x minus its group's mean, exactly 0 for a group of equal values: the float32 mean of
+  n equal values is not always that value, and whitening would blow the leftover up to O(1).
+  So each row first subtracts its group's first (unmasked) value, which is exact."""
+  same_bb = (group_ids_b[:, None] == group_ids_b[None, :]) & (mask_b[None, :] > 0)
+  offset_b = x_b - x_b[jnp.argmax(same_bb, axis=1)]
+  return offset_b - _group_mean(offset_b, group_ids_b, mask_b)
+
+
 def _row_mask(rewards_b, mask_b):
   return jnp.ones_like(rewards_b) if mask_b is None else mask_b.astype(rewards_b.dtype)
 
@@ -83,7 +92,7 @@ def reinforce_pp_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, eps: f
   """
   rewards_b = rewards_b.astype(jnp.float32)
   m = _row_mask(rewards_b, mask_b)
-  centred = rewards_b - _group_mean(rewards_b, group_ids_b, m)
+  centred = _group_centred(rewards_b, group_ids_b, m)
   return masked_whiten(centred, m, eps)
 
 
@@ -101,7 +110,7 @@ def grpo_advantages(rewards_b: jax.Array, group_ids_b: jax.Array, eps: float = 1
   """GRPO: (r_i - group mean) / (group std + eps), statistics within each group. [B] -> [B]."""
   rewards_b = rewards_b.astype(jnp.float32)
   m = _row_mask(rewards_b, mask_b)
-  centred = rewards_b - _group_mean(rewards_b, group_ids_b, m)
+  centred = _group_centred(rewards_b, group_ids_b, m)
   std = jnp.sqrt(_group_mean(jnp.square(centred), group_ids_b, m))
   return centred / (std + eps) * m
 

@@ -3,7 +3,8 @@
 Shape legend: R rounds, B rows, K drafted tokens per round; `...` any leading axes.
 Small pure jnp functions (jittable, also fine on numpy inputs); see methods.md, "Expected
 acceptance length without the i.i.d. assumption". a_i = a_i(x_i) is `Verdict.accept_prob_bk`,
-beta_i = sum_x min(q_i, pi_i) is `Verdict.beta_bk`.
+beta_i = sum_x q_i a_i (the expected acceptance; sum_x min(q_i, pi_i) for all rules but
+'typical') is `Verdict.beta_bk`.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def sample_categorical(key: jax.Array, probs_v: jax.Array) -> jax.Array:
   Inverse CDF in two levels (a block of tokens by its mass, then a token within it): two
   uniforms per row instead of the V random draws of the Gumbel or exponential trick, which
   cost 6x more on CPU (1.9 vs 0.3 ms per 49k-token row). Zero-probability tokens are never
-  drawn.
+  drawn; a row must have positive mass (an all-zero row returns an index past V).
   """
   # Two levels keep each running sum short: float32 rounding stays ~1e-5 of a block's
   # mass instead of ~1e-3 of the total over a 49k vocabulary.

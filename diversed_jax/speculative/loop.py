@@ -93,14 +93,15 @@ class RoundStats:
   prompt_rb: jax.Array  # int32, the prompt (index into the queue) a row served
   num_accepted_rb: jax.Array  # int32, n
   accept_prob_rbk: jax.Array  # a_i(x_i)
-  beta_rbk: jax.Array  # 1 - TV(q_i, pi_i)
-  weights_rbk: jax.Array  # w_i on the target (K+1 positions for the ensembles, else zeros)
+  beta_rbk: jax.Array  # sum_x q_i a_i, the expected acceptance (Verdict.beta_bk)
+  weights_rbk: jax.Array  # w_i on the target (K+1 positions; zeros for rules without a w)
   width_r: jax.Array  # int32, the rows the round ran: B, or a tail width (`tail_widths`)
 
 
 @flax.struct.dataclass
 class DecodeResult:
-  tokens_qn: jax.Array  # generated ids per prompt; entries past num_generated_q are padding
+  tokens_qn: jax.Array  # generated ids per prompt; entries past num_generated_q are not
+  # output (leftover drafts, tokens after EOS or the length limit)
   num_generated_q: jax.Array
   num_rounds: jax.Array  # rounds the loop ran (scalar)
   stats: RoundStats
@@ -192,6 +193,8 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
   else:
     if vp.method == "diversed":
       weights = weight_fn(head_params, draft_hidden, target_hidden)
+    elif vp.method in ("static", "static_logit"):  # recorded for the reports' mean w
+      weights = jnp.full((b, k + 1), vp.weight, jnp.float32)
     weights_bk1 = weights if vp.method == "diversed" else None
     if vp.temperature == 0 and vp.method in verification.TWO_TOKEN_RULES:
       # Greedy drafts and one-hot laws: the rule runs on two tokens per position.
@@ -298,7 +301,8 @@ def _prefill(target_params, target_config: ModelConfig, draft, draft_params, pro
   (one pass over the whole width made the one-row refills up to half of a queued call's
   time). The rest after the whole chunks may take shorter passes (`_pass_counts`).
   Slots written past a row's length are stale, as after any roll-back. A width that
-  `chunk` does not divide runs in one pass.
+  `chunk` does not divide is taken as one chunk of the whole width (its rest may still take
+  the shorter passes).
 
   Returns (target_cache, draft_cache or None, last_two_b2, features_b2d).
   """

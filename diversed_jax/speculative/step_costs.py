@@ -79,7 +79,9 @@ def _run_steps(params, cache, tokens_bt, features_btd=None, *, model, num_steps:
     if isinstance(model, ModelConfig):
       logits, _, new_cache = transformer.forward(params, model, tokens_bt, cache)
     else:
-      logits, _, new_cache = model.forward(params, tokens_bt, cache, features_btd)
+      # The catch-up call (with the target's features) wants only its last token's logits.
+      logits, _, new_cache = model.forward(params, tokens_bt, cache, features_btd,
+                                           last_only=features_btd is not None)
     return new_cache.with_lengths(cache.lengths_b), acc + jnp.max(logits)
 
   return jax.lax.fori_loop(0, num_steps, step, (cache, jnp.zeros((), jnp.float32)))

@@ -47,8 +47,9 @@ class Verdict:
   accept_prob_bk: a_i(x_i), acceptance probability of each drafted token.
   residual_bkv: r_i, the (normalised) law sampled after the first rejection at i.
   bonus_bv: the law of the bonus token drawn when all K drafts are accepted.
-  beta_bk: beta_i = sum_x min(q_i(x), pi_i(x)) = 1 - TV(q_i, pi_i), pi_i the emitted law
-    (nu_i for the ensembles); the expected acceptance at position i.
+  beta_bk: beta_i = sum_x q_i(x) a_i(x), the expected acceptance at position i. It equals
+    sum_x min(q_i, pi_i) = 1 - TV(q_i, pi_i) (pi_i the emitted law, nu_i for the
+    ensembles) for every rule but 'typical', whose residual p can put mass where a = 0.
   """
   accept_prob_bk: jax.Array
   residual_bkv: jax.Array

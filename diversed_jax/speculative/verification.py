@@ -419,16 +419,16 @@ def leading_accepts(accept_prob_bk: jax.Array, uniforms_bk: jax.Array):
 def resolve_round(verdict: Verdict, draft_tokens_bk: jax.Array, key: jax.Array) -> RoundOutcome:
   """Draws the round: independent uniforms per position give n; then one sample per row from
   the law at index n (the residual r_n if n < K, else the bonus law). Gathering the law
-  before sampling draws B x V exponentials instead of B x (K+1) x V, which dominated the
-  round's cost at batch 8; the emitted law is the same. Returns RoundOutcome."""
+  before sampling samples one law per row instead of K + 1 (sampling every position's law
+  dominated the round's cost at batch 8); the emitted law is the same. Returns
+  RoundOutcome."""
   key_u, key_next = jax.random.split(key)
   uniforms = jax.random.uniform(key_u, verdict.accept_prob_bk.shape, jnp.float32)
   accepted_bk, n_b = leading_accepts(verdict.accept_prob_bk, uniforms)
   laws_bk1v = jnp.concatenate([verdict.residual_bkv, verdict.bonus_bv[:, None]], axis=1)
   law_bv = jnp.take_along_axis(laws_bk1v, n_b[:, None, None], axis=1)[:, 0]
   next_b = sample_categorical(key_next, law_bv)
-  candidates_bk1 = laws_bk1v[..., 0]  # only its shape is used below
-  positions = jnp.arange(candidates_bk1.shape[1])
+  positions = jnp.arange(laws_bk1v.shape[1])
   drafts_bk1 = jnp.concatenate(
       [draft_tokens_bk.astype(jnp.int32), jnp.full_like(n_b[:, None], -1)], axis=1)
   tokens_bk1 = jnp.where(positions < n_b[:, None], drafts_bk1,

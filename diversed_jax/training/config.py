@@ -9,6 +9,7 @@ never enters jit).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import ml_collections
 
@@ -103,17 +104,21 @@ def validate(cfg) -> None:
     _fail("advantage", cfg.advantage, f"must be one of {sorted(ADVANTAGES)}")
   if not 0.0 < cfg.init_weight < 1.0:
     _fail("init_weight", cfg.init_weight, "must be in (0, 1)")
-  if cfg.lam < 0:
-    _fail("lam", cfg.lam, "must be >= 0")
-  if not cfg.temperature > 0:
+  if not 0 <= cfg.lam < math.inf:  # also rejects NaN
+    _fail("lam", cfg.lam, "must be finite and >= 0")
+  if not 0 < cfg.temperature < math.inf:
     _fail("temperature", cfg.temperature,
           "must be > 0 (at temperature 0 nu is one-hot and log nu has no gradient)")
   if not 0.0 < cfg.clip_eps < 1.0:
     _fail("clip_eps", cfg.clip_eps, "must be in (0, 1)")
-  if not cfg.learning_rate > 0:
-    _fail("learning_rate", cfg.learning_rate, "must be > 0")
-  if cfg.weight_decay < 0:
-    _fail("weight_decay", cfg.weight_decay, "must be >= 0")
+  if not 0 < cfg.learning_rate < math.inf:
+    _fail("learning_rate", cfg.learning_rate, "must be finite and > 0")
+  if not 0 <= cfg.weight_decay < math.inf:
+    _fail("weight_decay", cfg.weight_decay, "must be finite and >= 0")
+  if not math.isfinite(cfg.grad_clip):
+    _fail("grad_clip", cfg.grad_clip, "must be finite (<= 0 turns clipping off)")
+  if int(cfg.seed) != cfg.seed or cfg.seed < 0:
+    _fail("seed", cfg.seed, "must be an integer >= 0")
   positive = ("head_hidden_dim", "ppo_epochs", "total_steps", "prompts_per_step",
               "rollouts_per_prompt", "max_new_tokens", "num_draft", "max_prompt_tokens",
               "teacher_forced_rows", "checkpoint_every", "keep_checkpoints", "log_every")

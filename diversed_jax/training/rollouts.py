@@ -37,7 +37,7 @@ class Rollouts:
   prompts: list[list[int]]  # [B] prompt ids per row
   generated: list[list[int]]  # [B] generated ids per row (EOS included when hit)
   group_ids: np.ndarray  # [B] int32, the prompt index of each row
-  summary: dict  # acceptance_rate, tokens_per_round, w_mean, ... (see `summarize`)
+  summary: dict  # acceptance_rate, tokens_per_round, w_mean_committed, ... (see `summarize`)
   generation: Generation
 
   @property

@@ -6,7 +6,8 @@ of its tokens in FAVOURED, the tokens whose probability the target raises most o
 draft on random contexts: a head improves it by moving w_t towards the target, and the
 acceptance regulariser pulls the other way, so lambda sets the trade-off.
 
-  python -m diversed_jax.training.toy --workdir /tmp/toy --steps 12 --lam 0.1
+  python -m diversed_jax.training.toy --workdir /tmp/toy \
+    --overrides '{"total_steps": 12, "lam": 0.1}'
 """
 
 from __future__ import annotations

@@ -165,8 +165,10 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
   dq, dp = hidden_sizes(target_config, target_params, draft, draft_params)
   key, init_key = jax.random.split(jax.random.PRNGKey(hp.seed))
   params = init_head(module, init_key, dq, dp)
-  optimizer = make_optimizer(hp.learning_rate, hp.warmup_steps, hp.total_steps,
-                             hp.weight_decay, hp.grad_clip)
+  # optax counts updates, and each rollout step makes ppo_epochs of them: a schedule in
+  # rollout steps would reach 0 after total_steps / ppo_epochs of them.
+  optimizer = make_optimizer(hp.learning_rate, hp.warmup_steps * hp.ppo_epochs,
+                             hp.total_steps * hp.ppo_epochs, hp.weight_decay, hp.grad_clip)
   opt_state = optimizer.init(params)
   step, data_pos = 0, 0
 
