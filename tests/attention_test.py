@@ -68,6 +68,18 @@ def test_form_choice(monkeypatch):
 
 
 @needs_kernel
+def test_float32_queries_over_a_bfloat16_cache_keep_xlas_form():
+  # The kernel takes one dtype for all three; choosing it by the promoted dtype (float32)
+  # failed at run time.
+  config = _config()
+  q, k, v, positions = _inputs(5)
+  k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  assert attention.attention_form(config, 3, jnp.float32, kernel_operands=False) == "flat"
+  np.testing.assert_array_equal(_attend(config, q, k16, v16, positions),
+                                _attend(config, q, k16, v16, positions, use_kernel=False))
+
+
+@needs_kernel
 def test_kernel_form_is_differentiable():
   config = _config()
   q, k, v, positions = _inputs(5)

@@ -1,5 +1,6 @@
 """The hand-written few-row kernel (`models.cpu_kernels`) against float64 contractions."""
 
+import contextlib
 import platform
 import shutil
 
@@ -33,16 +34,21 @@ def _random(rng, *shape):
 # Shapes cover every row group (1-4 rows in one pass; more in groups of up to 4 and a
 # remainder; groups of 2 and 1 where `in` is long) and, on AVX-512 hosts, the tiles (from 3
 # rows: groups of 3 to 6 rows, full and partial columns), `in` with and without a last
-# 8-float step past a multiple of 16 and a scalar tail, `out` split into uneven chunks.
+# 8-float step past a multiple of 16 and a scalar tail, `out` split into uneven chunks. On
+# AVX-512 hosts `streams` forces row streams for every row count (else tiles take >= 3).
 @needs_kernel
+@pytest.mark.parametrize("streams", [False, True])
 @pytest.mark.parametrize("rows,size_in,size_out", [
     (1, 576, 960), (2, 64, 13), (3, 40, 7), (4, 576, 3072), (5, 1536, 576), (6, 24, 30),
     (7, 8, 9), (8, 100, 50), (13, 37, 19), (32, 576, 960), (3, 5, 3), (4, 1536, 33),
     (3, 5000, 7)])
-def test_kernel_equals_the_float64_contraction(rows, size_in, size_out):
+def test_kernel_equals_the_float64_contraction(rows, size_in, size_out, streams):
+  if streams and cpu_kernels.tile_rows() == 0:
+    pytest.skip("no AVX-512: row streams only, as in the other case")
   rng = np.random.default_rng(rows * 1000 + size_in)
   x, w_oi = _random(rng, rows, size_in), _random(rng, size_out, size_in)
-  got = jax.jit(cpu_kernels.few_row_matmul)(x, w_oi)
+  with cpu_kernels.min_tile_rows(1 << 30) if streams else contextlib.nullcontext():
+    got = np.asarray(jax.jit(cpu_kernels.few_row_matmul)(x, w_oi))
   want = np.asarray(x, np.float64) @ np.asarray(w_oi, np.float64).T
   assert got.shape == (rows, size_out) and got.dtype == jnp.float32
   # float32 accumulation over `in` terms of unit scale: error ~ sqrt(in) * 2^-24 * |terms|.
@@ -87,6 +93,16 @@ def test_tiles_and_row_streams_give_the_same_bits(dtype):
       assert cpu_kernels.tile_rows() == 1 << 30
     np.testing.assert_array_equal(tiled, streamed, err_msg=f"{rows} rows")
   assert cpu_kernels.tile_rows() in (1, 3)  # the host's default is back
+
+
+@needs_kernel
+def test_min_tile_rows_contexts_nest():
+  default = cpu_kernels.tile_rows()
+  with cpu_kernels.min_tile_rows(5):
+    with cpu_kernels.min_tile_rows(1 << 30):
+      pass
+    assert cpu_kernels.tile_rows() == (5 if default else 0)
+  assert cpu_kernels.tile_rows() == default
 
 
 @needs_kernel

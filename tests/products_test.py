@@ -92,6 +92,19 @@ def test_other_dtypes_keep_the_dot():
   assert "dot_general" in _primitives(products.matmul_oi, x, w_oi)
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [("float32", "bfloat16"), ("bfloat16", "float32"),
+                                             ("float16", "float32"), ("float32", "int8")])
+def test_operands_the_kernel_does_not_take_keep_the_dot(x_dtype, w_dtype, few_row_form):
+  # Their promoted dtype is float32, but the kernel's handlers take float32 x with float32
+  # or float16 weights only; choosing it by the promoted dtype failed at run time.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((3, 64)), x_dtype)
+  w_oi = jnp.asarray(rng.standard_normal((16, 64)) * (10 if w_dtype == "int8" else 1), w_dtype)
+  got = jax.jit(products.matmul_oi)(x, w_oi)
+  want = np.asarray(x, np.float64) @ np.asarray(w_oi, np.float64).T
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2, atol=2e-1)
+
+
 def test_few_row_forms_have_gradients(few_row_form):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)

@@ -43,10 +43,13 @@ _FLAT_ATTENTION_ROWS = 36
 USE_KERNEL = True
 
 
-def attention_form(config: ModelConfig, num_tokens: int, dtype) -> str:
-  """"kernel", "flat" or "grouped": the form `attend` takes (decided at trace time)."""
+def attention_form(config: ModelConfig, num_tokens: int, dtype,
+                   kernel_operands: bool = True) -> str:
+  """"kernel", "flat" or "grouped": the form `attend` takes (decided at trace time).
+  kernel_operands: whether the queries and both caches all have `dtype` (the kernel takes
+  one dtype for all three)."""
   token_limit = math.inf if products.in_row_independent() else KERNEL_MAX_TOKENS
-  kernel = (USE_KERNEL and num_tokens <= token_limit
+  kernel = (USE_KERNEL and kernel_operands and num_tokens <= token_limit
             and config.sliding_window is None and config.attn_logit_softcap is None
             and config.head_dim % 8 == 0 and cpu_kernels.runs_here(dtype))
   if kernel:
@@ -145,7 +148,8 @@ def attend(config: ModelConfig, q_bthd, k_cache, v_cache, positions_bt, sliding,
   (a copy) for XLA's forms."""
   b, t, h, dh = q_bthd.shape
   q_btkgd = q_bthd.reshape(b, t, config.num_kv_heads, h // config.num_kv_heads, dh)
-  form = attention_form(config, t, jnp.result_type(q_bthd, k_cache))
+  form = attention_form(config, t, jnp.result_type(q_bthd, k_cache),
+                        q_bthd.dtype == k_cache.dtype == v_cache.dtype)
   if form == "kernel":
     out = _kernel_attention(config, q_btkgd, k_cache, v_cache, positions_bt, layer)
   else:

@@ -120,11 +120,14 @@ class Int8Rows:
     return Int8Rows(jnp.asarray(q.reshape(w.shape)), jnp.asarray(scale))
 
 
-def product_form(num_rows: int, dtype) -> str:
-  """The form `matmul_oi` takes for `num_rows` rows of `dtype` (decided at trace time)."""
+def product_form(num_rows: int, dtype, kernel_operands: bool = True) -> str:
+  """The form `matmul_oi` takes for `num_rows` rows of `dtype` (decided at trace time).
+  kernel_operands: whether the kernel's handlers take the operands themselves (float32 x;
+  float32 or float16 weights), not only their promoted dtype."""
   on_cpu_f32 = jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
   row_limit = math.inf if in_row_independent() else MAX_KERNEL_ROWS
-  kernel = 1 <= num_rows <= row_limit and cpu_kernels.runs_here(dtype)
+  kernel = (1 <= num_rows <= row_limit and kernel_operands
+            and cpu_kernels.runs_here(dtype))
   fused = on_cpu_f32 and MIN_FUSED_ROWS <= num_rows <= MAX_FEW_ROWS
   if FORCE_FORM is not None:
     if FORCE_FORM not in FORMS:
@@ -143,7 +146,8 @@ def matmul_oi(x: jax.Array, w_oi: jax.Array, preferred_element_type=None) -> jax
       return matmul_oi(x, w_oi.dequantize(), preferred_element_type)
     return cpu_kernels.few_row_matmul_int8(x.reshape(rows, x.shape[-1]), w_oi.q_oi,
                                            w_oi.scale_ob).reshape(*lead, w_oi.shape[0])
-  form = product_form(rows, jnp.result_type(x, w_oi))
+  form = product_form(rows, jnp.result_type(x, w_oi),
+                      x.dtype == jnp.float32 and w_oi.dtype in (jnp.float32, jnp.float16))
   if form == "dot":
     return jnp.einsum("...i,oi->...o", x, w_oi, preferred_element_type=preferred_element_type)
   x_mi = x.reshape(rows, x.shape[-1])

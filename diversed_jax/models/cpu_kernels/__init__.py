@@ -31,6 +31,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from absl import logging
 
@@ -57,7 +58,8 @@ def _compile(compiler: str) -> pathlib.Path:
   """The shared library for this source, jax, compiler and flag set (built once, then
   reused)."""
   key = hashlib.sha256(b"\0".join([*(path.read_bytes() for path in _SOURCES + _HEADERS),
-                                    jax.__version__.encode(), compiler.encode(),
+                                    jax.__version__.encode(), jaxlib.__version__.encode(),
+                                    compiler.encode(),
                                     " ".join(_FLAGS).encode()]))
   library = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
   if library.exists():
@@ -108,6 +110,7 @@ def _library() -> ctypes.CDLL | None:
                     error)
     return None
   if not library.FewRowMatmulSupported():
+    logging.warning("cpu_kernels: this CPU lacks AVX2, FMA or F16C; XLA's own ops are used.")
     return None
   library.FewRowMatmulMinTileRows.restype = ctypes.c_int64
   library.FewRowMatmulSetMinTileRows.argtypes = [ctypes.c_int64]
@@ -135,11 +138,12 @@ def min_tile_rows(rows: int):
   library = _library()
   if library is None:
     raise RuntimeError("min_tile_rows: the CPU kernels are not available on this host")
+  outer = int(library.FewRowMatmulMinTileRows())  # restored on exit, so contexts nest
   library.FewRowMatmulSetMinTileRows(rows)
   try:
     yield
   finally:
-    library.FewRowMatmulSetMinTileRows(0)
+    library.FewRowMatmulSetMinTileRows(outer)
 
 
 def tile_rows() -> int:

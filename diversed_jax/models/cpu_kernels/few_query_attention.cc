@@ -14,8 +14,8 @@
 //
 // Every output is computed in the same order whatever the number of tokens, rows or
 // threads: scores over aligned blocks of 8 slots (one 8-lane FMA chain per slot over Dh, a
-// fixed horizontal reduction), a max, exp and an in-order sum of the visible slots, then the
-// values accumulated slot by slot. So a query's result is bitwise the same alone or among
+// fixed horizontal reduction), a max, exp and a sum of the visible slots in eight lanes
+// reduced in a fixed order, then the values accumulated slot by slot. So a query's result is bitwise the same alone or among
 // others (decoding and verifying a token give the same bits).
 
 #include <immintrin.h>
