@@ -26,7 +26,9 @@ def get_config():
 
   c.data = ml_collections.ConfigDict()
   c.data.dir = "runs/distill_ref_smollm2"  # shard folder shared by data and train modes
-  c.data.extra_train_dirs = ()  # more shard folders, all used for training (not data mode)
+  # More shard folders for training (not data mode): every shard, except sequences whose
+  # prompt is a held-out shard's (another data plan puts it under another index).
+  c.data.extra_train_dirs = ()
   c.data.continuation = "reference"  # 'reference' (dataset answers) or 'target' (generated)
   # 'target' only: folder keeping the generated ids (absolute, or under diversed_jax/data;
   # small, committed), from which lost shards are rebuilt by teacher forcing. '' = not kept.
@@ -54,6 +56,8 @@ def get_config():
   c.draft.kind = "feature"  # 'feature' (EAGLE-style) or 'independent'
   c.draft.num_layers = 1  # decoder layers of the draft
   c.draft.hidden_size = 576  # width (forced to the target width for 'feature')
+  # Heads and MLP width of 'independent' ('feature' copies the target's last layers, so
+  # it takes their geometry).
   c.draft.num_heads = 9  # query heads
   c.draft.num_kv_heads = 3  # key/value heads
   c.draft.intermediate_size = 1536  # MLP width
@@ -87,7 +91,9 @@ def get_config():
   # Held-out metric that picks the exported best draft: 'accept1' (one-step acceptance at
   # T = 1) or 'top11' (one-step greedy agreement, for greedy-targeted runs).
   c.train.select_by = "accept1"
-  c.train.eval_shards = (0, 1)  # shard indices held out for evaluation (never trained on)
+  # Shard indices of data.dir held out for evaluation: never trained on, nor are their
+  # prompts in any other training shard.
+  c.train.eval_shards = (0, 1)
   c.train.min_shards = 4  # wait until this many shards exist before training
   c.train.rescan_every = 50  # steps between rescans of the shard folder
   c.train.seed = 0  # init and batch sampling seed

@@ -5,6 +5,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import zlib
 
 import jax
@@ -266,6 +267,104 @@ def test_resume_gives_the_same_losses(target, shard_dir, tmp_path):
   np.testing.assert_allclose(part + rest, whole, rtol=1e-5, atol=1e-6)
 
 
+def _toy_shard(folder, index, records):
+  """A shard of (prompt ids, continuation ids) records; tiny zero features."""
+  width = max(len(p) + len(c) for p, c in records)
+  tokens = np.zeros((len(records), width), np.int32)
+  for row, (p, c) in enumerate(records):
+    tokens[row, :len(p) + len(c)] = p + c
+  data.save_shard(str(folder), index, {
+      "tokens": tokens, "lengths": np.asarray([len(p) + len(c) for p, c in records], np.int32),
+      "prompt_lengths": np.asarray([len(p) for p, _ in records], np.int32),
+      "hidden": np.zeros((len(records), width, 4), np.float16),
+      "topk_ids": np.zeros((len(records), width, 2), np.uint16),
+      "topk_logp": np.zeros((len(records), width, 2), np.float16)})
+
+
+def _prompts(pool):
+  return sorted(s.tokens[:s.prompt_length].tolist() for s in pool.sequences)
+
+
+def test_held_out_prompts_are_never_drawn_from_other_shards(tmp_path):
+  """Another data plan puts a held-out prompt under another index (here in an extra
+  folder): its sequence is left out of training, whatever its continuation."""
+  _toy_shard(tmp_path / "plan0", 0, [([5, 6, 7], [20, 21]), ([8, 9], [22])])  # held out
+  _toy_shard(tmp_path / "plan0", 1, [([10, 11], [23, 24])])
+  _toy_shard(tmp_path / "plan1", 0, [([12, 13], [25]), ([8, 9], [30, 31, 32])])
+  _toy_shard(tmp_path / "plan1", 1, [([5, 6, 7, 1], [26])])  # a longer prompt is another
+  pool = batches.ShardPool(str(tmp_path / "plan0"), (0,), (str(tmp_path / "plan1"),))
+  pool.use(pool.available())
+  assert _prompts(pool) == [[5, 6, 7, 1], [10, 11], [12, 13]] and pool.num_dropped == 1
+  draws = batches.window_batch(pool.sequences, np.random.default_rng(0), 256, 4,
+                               np.arange(VOCAB), 1.0)["tokens_bw"]
+  assert not np.isin(draws, [30, 31, 32]).any()
+
+
+def test_pool_order_does_not_depend_on_when_shards_were_loaded(tmp_path):
+  """Shards written into both folders while a run trains: the live pool and one loaded at
+  once from the recorded paths hold the same sequences in the same order."""
+  ref, gen = tmp_path / "ref", tmp_path / "gen"
+  for i in range(4):
+    _toy_shard(ref, i, [([3, 10 + i], [10 + i])])
+  _toy_shard(gen, 0, [([4, 30], [30])])
+  live = batches.ShardPool(str(ref), (0,), (str(gen),))
+  live.use(live.available())
+  _toy_shard(gen, 1, [([4, 31], [31])])  # sorts before ref's shards 1-3
+  _toy_shard(ref, 4, [([3, 14], [14])])
+  live.use(live.available())
+  _toy_shard(gen, 2, [([4, 32], [32])])  # while the run is stopped
+  resumed = batches.ShardPool(str(ref), (0,), (str(gen),))
+  resumed.use(live.num_shards, live.in_use)
+  assert [s.tokens[-1] for s in live.sequences] == [30, 31, 11, 12, 13, 14]
+  assert [s.tokens[-1] for s in resumed.sequences] == [s.tokens[-1] for s in live.sequences]
+  rows = [batches.window_batch(pool.sequences, np.random.default_rng([0, 7, 6]), 8, 3,
+                               np.arange(VOCAB), 1.0)["tokens_bw"] for pool in (live, resumed)]
+  np.testing.assert_array_equal(*rows)
+  os.remove(data.shard_path(str(gen), 1))
+  with pytest.raises(ValueError, match="in use at the checkpoint are gone"):
+    batches.ShardPool(str(ref), (0,), (str(gen),)).use(live.num_shards, live.in_use)
+
+
+def test_resume_after_the_shard_folders_grew(target, shard_dir, tmp_path):
+  """A run whose extra folder gets a shard mid-run (picked up at the step-10 rescan) and
+  another while it is stopped at step 15 resumes on the same shards and losses; an extra
+  shard holding the held-out prompts trains nothing and is logged."""
+
+  def run_dirs(root):
+    for index in (1, 2):
+      os.makedirs(root / "data", exist_ok=True)
+      shutil.copy(data.shard_path(shard_dir, index), data.shard_path(str(root / "data"), index))
+    shutil.copy(data.shard_path(shard_dir, 0), data.shard_path(str(root / "data"), 0))
+    os.makedirs(root / "extra")  # shard 2: the held-out shard's prompts under another index
+    shutil.copy(data.shard_path(shard_dir, 0), data.shard_path(str(root / "extra"), 2))
+    c = _config(str(root / "data"), root / "run", "feature", steps=20)
+    c.data.extra_train_dirs = (str(root / "extra"),)
+    return c
+
+  def grow(c, index, like):
+    shutil.copy(data.shard_path(shard_dir, like),
+                data.shard_path(c.data.extra_train_dirs[0], index))
+
+  c = run_dirs(tmp_path / "a")
+  said = []
+  live = train.Trainer(c, target, log=said.append)
+  whole = live.train(num_steps=5)
+  grow(c, 1, like=2)
+  whole += live.train()
+  assert int(live.state["num_shards"]) == 4 and live.pool.num_dropped == 6
+  assert any(line.startswith("left out 6 training sequences") for line in said)
+  c = run_dirs(tmp_path / "b")
+  first = train.Trainer(c, target, log=_quiet)
+  part = first.train(num_steps=5)
+  grow(c, 1, like=2)
+  part += first.train(num_steps=10)
+  del first
+  grow(c, 0, like=1)  # sorts first: a count alone would now name other shards
+  resumed = train.Trainer(c, target, log=_quiet)
+  assert resumed.step == 15
+  np.testing.assert_allclose(part + resumed.train(), whole, rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def base_draft(target, shard_dir, tmp_path_factory):
   """(trainer, folder): a feature draft trained 5 steps and exported to a draft folder."""
@@ -382,7 +481,9 @@ def test_shrunk_draft_keeps_its_heaviest_ids(target, shard_dir, tmp_path, base_d
   c = _from_folder(shard_dir, tmp_path / "shrink", "feature", 0, folder)
   c.mode, c.export_dir = "shrink_vocab", str(tmp_path / "small")
   c.draft.vocab_keep = len(base.vocab_ids) // 2
+  _fake_draft_folder(tmp_path / "small", "old", gate=True)  # a draft it replaces
   results = train.shrink_vocab(c, target, log=_quiet)
+  assert not os.path.exists(os.path.join(c.export_dir, copy_gate.GATE_FILE))
   _, params, ids, meta = artifacts.read_draft(c.export_dir)
   assert len(ids) == c.draft.vocab_keep and set(ids.tolist()) <= set(base.vocab_ids.tolist())
   mass = np.zeros(VOCAB)
@@ -717,6 +818,94 @@ def test_kept_ids_need_target_continuations(tmp_path):
   with pytest.raises(ValueError, match="data.continuations_only.*need data.continuations_dir"):
     train.validate(c)
 
+@pytest.mark.parametrize("field, value, message", [
+    ("copy.lam_step", 0.0, r"copy.lam_step=0.0 is invalid"),
+    ("copy.max_lam", 1.2, r"copy.max_lam=1.2 is invalid"),
+    ("copy.lam_step", 0.5, r"copy.lam_step=0.5 is invalid: at most copy.max_lam"),
+    ("train.rescan_every", 0, r"train.rescan_every=0 is invalid"),
+    ("train.log_every", 0, r"train.log_every=0 is invalid"),
+    ("data.temperatures", (), r"data.temperatures=\(\) is invalid"),
+    ("data.temperatures", (1.0, -1.0), r"data.temperatures=\(1.0, -1.0\) is invalid"),
+])
+def test_validate_names_the_bad_field(field, value, message):
+  c = _tiny_config()
+  c.copy.max_lam = 0.45 if value == 0.5 else c.copy.max_lam
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match=message):
+    train.validate(c)
+
+
+def test_feature_draft_takes_the_target_layers_geometry():
+  """The copied layers fix heads, head width and MLP width: the configured ones (9 heads of
+  7 for a 64-wide target of 8 heads of 8) cannot regroup them."""
+  target_config = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=64, num_layers=2,
+                              num_heads=8, num_kv_heads=2, head_dim=8, intermediate_size=96)
+  target_params = init_params(target_config, jax.random.PRNGKey(0))
+  cfg = architectures.draft_config("feature", target_config, 1, 576, 9, 3, 1536)
+  assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (8, 2, 8, 96)
+  draft = architectures.DistilledDraft("feature", cfg, 64, VOCAB)
+  train_params = architectures.init_train_params(draft, jax.random.PRNGKey(1), target_params)
+  jax.tree.map(np.testing.assert_array_equal, train_params["layers"]["q"],
+               target_params["layers"]["q"][-1:])
+  params = {"train": train_params,
+            "frozen": architectures.frozen_params(target_params, np.arange(10))}
+  logits, _ = draft.train_forward(params, jnp.ones((1, 4), jnp.int32), jnp.zeros((1, 4, 64)))
+  assert np.isfinite(np.asarray(logits)).all()
+  regrouped = dataclasses.replace(draft, config=dataclasses.replace(cfg, num_heads=4,
+                                                                     head_dim=16))
+  with pytest.raises(ValueError, match="does not match the target layers"):
+    architectures.init_train_params(regrouped, jax.random.PRNGKey(1), target_params)
+  independent = architectures.draft_config("independent", target_config, 1, 48, 6, 2, 80)
+  assert (independent.num_heads, independent.head_dim, independent.intermediate_size) == \
+      (6, 8, 80)
+
+
+def _fake_draft_folder(folder, params_text, gate=False):
+  os.makedirs(folder, exist_ok=True)
+  for name in artifacts.SAVED_FILES:
+    (folder / name).write_text(params_text if name == "params.npz" else name)
+  if gate:
+    (folder / copy_gate.GATE_FILE).write_text("{}")
+
+
+def test_export_replaces_a_draft_folder_and_refuses_other_folders(tmp_path):
+  """The best draft replaces every draft file of the destination: a copy gate fitted for the
+  old params is removed, not left to wrap the new ones."""
+  c = _tiny_config()
+  c.mode, c.workdir, c.export_dir = "export", str(tmp_path / "run"), str(tmp_path / "shipped")
+  _fake_draft_folder(tmp_path / "run" / "best", "new")
+  _fake_draft_folder(tmp_path / "shipped", "old", gate=True)
+  (tmp_path / "shipped" / "NOTES.md").write_text("kept")
+  train.run(c)
+  assert sorted(os.listdir(c.export_dir)) == sorted(["NOTES.md", *artifacts.SAVED_FILES])
+  assert (tmp_path / "shipped" / "params.npz").read_text() == "new"
+  log = (tmp_path / "run" / "log.txt").read_text()
+  assert f"removed {tmp_path / 'shipped' / copy_gate.GATE_FILE}" in log
+  c.export_dir = str(tmp_path)  # holds files, and no draft: a mistyped path
+  with pytest.raises(ValueError, match="holds files and is not a draft folder"):
+    train.run(c)
+  c.export_dir = str(tmp_path / "new")
+  train.run(c)
+  assert sorted(os.listdir(c.export_dir)) == sorted(artifacts.SAVED_FILES)
+
+
+def test_held_out_shards_are_named_by_their_plan_source(target, shard_dir, tmp_path):
+  """Once CNN/DM runs out the plan goes on with GSM8K alone: a held-out shard there is a
+  GSM8K shard whatever its place in the pattern."""
+  c = _tiny_config()
+  plan = data.data_plan(c.data)
+  cnndm = [i for i, (source, _) in enumerate(plan) if source == "cnndm"]
+  late = cnndm[-1] + 2  # the pattern says cnndm here; the plan, gsm8k
+  assert c.data.pattern[late % len(c.data.pattern)] == "cnndm" and plan[late][0] == "gsm8k"
+  c.data.dir = str(tmp_path)
+  c.train.eval_shards = (1, late)
+  for index in c.train.eval_shards:
+    shutil.copy(data.shard_path(shard_dir, 0), data.shard_path(c.data.dir, index))
+  names = train.held_out_batches(c, np.arange(VOCAB))
+  assert sorted(names) == sorted(["cnndm1", f"gsm8k{late}"])
+
+
 @pytest.mark.slow
 def test_shipped_draft_loads_as_the_default():
   if artifacts.shipped_draft("smollm2-135m-instruct") is None:
@@ -726,6 +915,13 @@ def test_shipped_draft_loads_as_the_default():
   model = load_model("smollm2-135m-instruct")
   draft, params, spec = build.load_draft(None, model)
   assert spec == artifacts.shipped_draft("smollm2-135m-instruct")
+  # Its recipe's config builds the same draft (layers copied from the target's).
+  path = os.path.join(ROOT, "configs", "distill_smollm2.py")
+  spec_module = importlib.util.spec_from_file_location("distill_smollm2", path)
+  module = importlib.util.module_from_spec(spec_module)
+  spec_module.loader.exec_module(module)
+  fresh = train._draft_from_config(module.get_config(), model.config)
+  assert dataclasses.replace(fresh.config, num_layers=2) == draft.inner.config
   # The shipped folder carries a context-copy gate: the draft comes wrapped with it.
   assert isinstance(draft, context_copy.ContextCopyDraft)
   assert isinstance(draft.inner, architectures.DistilledDraft)

@@ -210,6 +210,29 @@ def test_hub_id_offline_says_pass_a_local_path(monkeypatch):
     load_model("nobody-xyz/no-such-model-xyz")
 
 
+@pytest.mark.parametrize("spec", ["models/x.gguf", "runs/model.safetensors", "./runs/model",
+                                  "../runs/model", "~/no_such_model_xyz"])
+def test_local_looking_paths_are_never_hub_ids(monkeypatch, spec):
+  from diversed_jax.models import loading
+
+  def no_hub(hub_id):
+    raise AssertionError(f"{hub_id!r} went to the hub")
+
+  monkeypatch.setattr(loading, "download_from_hub", no_hub)
+  with pytest.raises(FileNotFoundError, match="nothing exists at that local path"):
+    load_model(spec)
+
+
+def test_missing_path_under_a_local_folder_says_so(monkeypatch, tmp_path):
+  """'runs/my_model' can be a hub id: when the hub has none and 'runs' is a local folder,
+  the error says the local path is empty too."""
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "runs").mkdir()
+  with pytest.raises(FileNotFoundError, match="Nothing exists at the local path 'runs/my_model'"):
+    load_model("runs/my_model")
+
+
 def test_registry():
   assert registry.resolve("qwen3-8b") == "Qwen/Qwen3-8B"
   assert registry.resolve("llama-3.2-1b-instruct") == "meta-llama/Llama-3.2-1B-Instruct"

@@ -261,13 +261,22 @@ def _unrolled_layers(layers, config: ModelConfig, x_btd, prev_kv):
 
 def draft_config(kind: str, target: ModelConfig, num_layers: int, hidden_size: int,
                  num_heads: int, num_kv_heads: int, intermediate_size: int) -> ModelConfig:
-  """The draft's own decoder config (llama family, untied; the head is separate)."""
+  """The draft's own decoder config (llama family; tie_embeddings=True only because the
+  draft has no output matrix of its own: its head is the target's, see `head_logits`).
+
+  A feature draft's layers start as copies of the target's last layers, so its width, head
+  geometry and MLP width are the target's, and the given ones are ignored.
+  """
   if kind == "feature":
-    hidden_size = target.hidden_size
+    hidden_size, num_heads = target.hidden_size, target.num_heads
+    num_kv_heads, head_dim = target.num_kv_heads, target.head_dim
+    intermediate_size = target.intermediate_size
+  else:
+    head_dim = hidden_size // num_heads
   return ModelConfig(
       family="llama", vocab_size=target.vocab_size, hidden_size=hidden_size,
       num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-      head_dim=hidden_size // num_heads, intermediate_size=intermediate_size,
+      head_dim=head_dim, intermediate_size=intermediate_size,
       norm_eps=target.norm_eps, rope_theta=target.rope_theta, tie_embeddings=True,
       bos_token_id=target.bos_token_id, eos_token_ids=target.eos_token_ids,
       pad_token_id=target.pad_token_id)
@@ -290,6 +299,7 @@ def init_train_params(draft: DistilledDraft, key, target_params=None, std: float
       layers = jax.tree.map(lambda x: jnp.array(x[-n:], jnp.float32, copy=True),
                             target_params["layers"])
       layers = {k: v for k, v in layers.items() if k in train["layers"]}
+      _check_copied_shapes(layers, train["layers"])
       train["layers"] = layers
       train["final_norm"] = jnp.array(target_params["final_norm"], jnp.float32, copy=True)
     eye = jnp.eye(dt, dtype=jnp.float32)
@@ -303,6 +313,17 @@ def init_train_params(draft: DistilledDraft, key, target_params=None, std: float
       train["head_proj"] = (jax.random.normal(k_head, (cfg.hidden_size, dt))
                             * cfg.hidden_size ** -0.5)
   return train
+
+
+def _check_copied_shapes(copied, expected) -> None:
+  """Raises ValueError when the target's layers do not fit the draft's config (heads
+  reshaped into other heads would train silently)."""
+  bad = {k: (v.shape, expected[k].shape) for k, v in copied.items()
+         if v.shape != expected[k].shape}
+  if bad:
+    raise ValueError("the feature draft's config does not match the target layers it "
+                     f"copies (leaf: (target, draft) shapes): {bad}; build it with "
+                     "draft_config, which takes their geometry from the target")
 
 
 def grow_layers(draft: DistilledDraft, train_params, num_new: int):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,9 @@ from diversed_jax.speculative.context_copy import ContextCopyDraft
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "drafts")
 KIND_PREFIX = "distill_"
+# The files a draft folder may hold (see the module doc), and those `save_draft` writes.
+DRAFT_FILES = ("draft_kind.txt", "draft.json", "params.npz", copy_gate.GATE_FILE)
+SAVED_FILES = DRAFT_FILES[:3]
 # The shipped default draft per target name (a folder under ASSETS).
 SHIPPED_DEFAULTS = {"smollm2-135m-instruct": "smollm2-135m-feature"}
 
@@ -59,6 +63,44 @@ def save_draft(folder: str, draft: DistilledDraft, train_params, vocab_ids, targ
     json.dump(meta, f, indent=1)
   with open(os.path.join(folder, "draft_kind.txt"), "w") as f:
     f.write(KIND_PREFIX + draft.kind + "\n")
+
+
+def check_export_dir(dest: str) -> None:
+  """Raises ValueError when `dest` holds files and is no draft folder (a mistyped path,
+  whose files an export must not mix with a draft's)."""
+  if (os.path.isdir(dest) and os.listdir(dest)
+      and not os.path.isfile(os.path.join(dest, "draft_kind.txt"))):
+    raise ValueError(f"{dest} holds files and is not a draft folder: export to a new or "
+                     "empty folder, or to a draft folder to replace")
+
+
+def remove_stale_files(dest: str, written, log=print) -> None:
+  """Removes the draft files of `dest` that a new draft there did not write (a copy gate
+  fitted for the old params must not wrap the new ones)."""
+  for name in DRAFT_FILES:
+    path = os.path.join(dest, name)
+    if name not in written and os.path.exists(path):
+      os.remove(path)
+      log(f"removed {path}: it belonged to the draft this one replaces")
+
+
+def replace_draft_folder(src: str, dest: str, log=print) -> None:
+  """Copies the draft folder `src` to `dest`, a new or empty folder or a draft folder,
+  whose draft files all come from `src` afterwards (other files are kept).
+
+  Raises:
+    ValueError: `src` is no draft folder, or `dest` holds files and is no draft folder.
+  """
+  if not os.path.isfile(os.path.join(src, "draft_kind.txt")):
+    raise ValueError(f"{src} is not a draft folder (no draft_kind.txt): nothing to export")
+  check_export_dir(dest)
+  os.makedirs(dest, exist_ok=True)
+  written = [name for name in DRAFT_FILES if os.path.exists(os.path.join(src, name))]
+  for name in written:
+    path = os.path.join(dest, name)
+    shutil.copyfile(os.path.join(src, name), path + ".tmp")
+    os.replace(path + ".tmp", path)
+  remove_stale_files(dest, written, log)
 
 
 def read_draft(folder: str):

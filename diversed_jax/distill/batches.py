@@ -1,8 +1,11 @@
 """Training windows drawn from distillation shards.
 
-`ShardPool` holds the sequences of the first n training shards (n is part of the
-checkpointed state, so a resumed run draws exactly the same windows); the windows of step s
-depend only on (seed, s, n), never on earlier draws.
+`ShardPool` holds the sequences of the training shards in use, in sorted-path order, so
+the pool is a function of the set of shards in use (not of when each was loaded), and the
+checkpoint's count n of shards plus the trainer's record of which paths they were
+(`Trainer`, shards_in_use.txt) give a resumed run exactly the same windows: those of step
+s depend only on (seed, s, n), never on earlier draws. Sequences whose prompt is a
+held-out shard's are never in the pool, whichever folder or shard index they come from.
 
 Shape legend: B windows, W window length, K top-k, D target width, V vocabulary.
 """
@@ -10,10 +13,11 @@ Shape legend: B windows, W window length, K top-k, D target width, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
-from diversed_jax.distill import data
+from diversed_jax.distill import continuations, data
 
 
 @dataclasses.dataclass
@@ -38,8 +42,25 @@ def load_sequences(path: str) -> list[Sequence]:
   return out
 
 
+def prompt_digest(tokens, prompt_length: int) -> str:
+  """The digest of one sequence's prompt ids (`continuations.prompt_digest` of it alone)."""
+  return continuations.prompt_digest([tokens[:prompt_length]])
+
+
+def shard_prompt_digests(path: str) -> set[str]:
+  """The prompt digests of a shard's sequences (reads its small arrays only)."""
+  with np.load(path) as z:
+    tokens, prompt_lengths = z["tokens"], z["prompt_lengths"]
+  return {prompt_digest(row, int(n)) for row, n in zip(tokens, prompt_lengths)}
+
+
 class ShardPool:
-  """The training shards of a folder (held-out indices excluded), loaded lazily."""
+  """The training shards of a folder and its extra folders, loaded lazily.
+
+  Held-out shards (indices of `folder`) are never loaded for training, and neither is any
+  sequence whose prompt is a held-out one: another data plan (another seed, pattern or
+  folder) shuffles the same prompts into other shard indices.
+  """
 
   def __init__(self, folder: str, held_out: tuple[int, ...], extra_folders=()):
     self.folder = folder
@@ -47,34 +68,67 @@ class ShardPool:
     self.held_out = set(held_out)
     self.sequences: list[Sequence] = []
     self.num_shards = 0
+    self.num_dropped = 0  # training sequences left out for a held-out prompt
+    self.in_use: list[str] = []  # paths in the order they entered the pool
     self._paths: list[str] = []
-    self._loaded: set[str] = set()
+    self._by_path: dict[str, list[Sequence]] = {}
+    self._held_out_digests: dict[str, set[str]] = {}
 
   def available(self) -> int:
     """How many training shards exist on disk now."""
-    paths = [p for p in data.list_shards(self.folder) if int(p[-9:-4]) not in self.held_out]
+    # Absolute: the paths in use are recorded, and a resumed run may start elsewhere.
+    paths = [p for p in data.list_shards(os.path.abspath(self.folder))
+             if int(p[-9:-4]) not in self.held_out]
     for folder in self.extra_folders:  # every shard of an extra folder is for training
-      paths += data.list_shards(folder)
+      paths += data.list_shards(os.path.abspath(folder))
     # Interleave the folders by shard index so that a growing folder keeps earlier order.
-    self._paths = sorted(paths, key=lambda p: (int(p[-9:-4]), p))
+    self._paths = sorted(paths, key=_path_order)
     return len(self._paths)
 
-  def use(self, num_shards: int) -> None:
-    """Loads training shards (in listing order) until `num_shards` are in use. Windows are
-    reproducible for a fixed set of shard files; shards appearing while a run is stopped can
-    change which n files a resumed run uses."""
+  def use(self, num_shards: int, first=()) -> None:
+    """Loads training shards until `num_shards` are in use: the paths in `first` (those a
+    checkpoint was trained on), then others in listing order."""
     if num_shards > len(self._paths):
       self.available()
     if num_shards > len(self._paths):
       raise ValueError(f"need {num_shards} training shards in {self.folder}, "
                        f"found {len(self._paths)}")
-    for path in self._paths:
-      if self.num_shards >= num_shards:
+    missing = [p for p in first if not os.path.exists(p)]
+    if missing:
+      raise ValueError(f"training shards in use at the checkpoint are gone: {missing}")
+    for path in [*first, *self._paths]:
+      if len(self.in_use) >= num_shards:
         break
-      if path not in self._loaded:
-        self.sequences.extend(load_sequences(path))
-        self._loaded.add(path)
-        self.num_shards += 1
+      if path not in self._by_path:
+        self._by_path[path] = load_sequences(path)
+        self.in_use.append(path)
+    self.num_shards = len(self.in_use)
+    self._rebuild()
+
+  def _rebuild(self) -> None:
+    """`sequences`: those of the shards in use in sorted-path order, held-out prompts out."""
+    held_out = self._read_held_out_digests()
+    self.sequences, self.num_dropped = [], 0
+    for path in sorted(self.in_use, key=_path_order):
+      for s in self._by_path[path]:
+        if prompt_digest(s.tokens, s.prompt_length) in held_out:
+          self.num_dropped += 1
+        else:
+          self.sequences.append(s)
+
+  def _read_held_out_digests(self) -> set[str]:
+    """Prompt digests of the held-out shards on disk now (one written late counts from the
+    next `use`)."""
+    for index in sorted(self.held_out):
+      path = data.shard_path(self.folder, index)
+      if path not in self._held_out_digests and os.path.exists(path):
+        self._held_out_digests[path] = shard_prompt_digests(path)
+    return set().union(*self._held_out_digests.values())
+
+
+def _path_order(path: str):
+  """Shard index first, then the path: folders interleave and keep their order as they grow."""
+  return int(path[-9:-4]), path
 
 
 def position_weights(s: Sequence, prompt_weight: float) -> np.ndarray:

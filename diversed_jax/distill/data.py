@@ -110,7 +110,9 @@ def load_prompts(source: str, paths, limit: int = 0, max_chars: int = 2500,
 
 def shard_plan(sources: dict, pattern: tuple[str, ...], batch: int, seed: int):
   """Per shard i: (source, prompt texts). Prompts are shuffled once per source with `seed`;
-  shards cycle through `pattern` (e.g. ('gsm8k', 'cnndm', 'gsm8k')) until a source runs out."""
+  shards cycle through `pattern` (e.g. ('gsm8k', 'cnndm', 'gsm8k')), skipping a source once
+  it has fewer than `batch` prompts left, until all have: past that point shard i's source
+  is no longer pattern[i % len(pattern)], so read it from the plan."""
   pools = {}
   for name, texts in sources.items():
     order = list(range(len(texts)))

@@ -1,7 +1,8 @@
 """The distillation training loop (DistillSpec-style) with resumable orbax checkpoints.
 
-State = trainable draft params, AdamW state, step, RNG key and the number of training
-shards in use (the data position: windows of step s are a pure function of (seed, s, n)).
+State = trainable draft params, AdamW state, step, RNG key and the number n of training
+shards in use (the data position: windows of step s are a pure function of (seed, s, n));
+`<workdir>/shards_in_use.txt` records which shards, so a resumed run uses the same ones.
 A checkpoint is written every `checkpoint_every` steps; a run killed at any point (even
 kill -9) resumes from the latest complete one. The held-out evaluation keeps the best draft
 as an asset folder in `<workdir>/best` (see artifacts.py); `mode=export` copies it out.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import time
 
 import jax
@@ -36,56 +36,66 @@ SELECT_BY = ("accept1", "top11")
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first bad field."""
-  checks = [
-      ("mode", config.mode in MODES),
-      ("data.continuation", config.data.continuation in ("reference", "target")),
-      ("data.continuations_dir", config.mode == "fit_copy_gate"
-       or not config.data.continuations_dir or config.data.continuation == "target",
-       "kept ids need data.continuation='target'"),
-      ("data.continuations_only",
-       not config.data.continuations_only or bool(config.data.continuations_dir),
-       "ids-only runs need data.continuations_dir"),
-      ("data.cnndm_windows", len(config.data.cnndm_windows) > 0
-       and all(w >= 0 for w in config.data.cnndm_windows)),
-      ("data.cnndm_windows", tuple(config.data.cnndm_windows) == (0,)
-       or config.data.continuation == "target" or config.mode == "fit_copy_gate",
-       "windows past an article's start need data.continuation='target' (the reference "
-       "summary is the whole article's)"),
-      ("draft.kind", config.draft.kind in architectures.KINDS),
-      ("train.loss", config.train.loss in losses.LOSSES),
-      ("train.unroll", config.train.unroll >= 1),
-      ("train.argmax_weight", config.train.argmax_weight >= 0),
-      ("train.select_by", config.train.select_by in SELECT_BY, f"one of {SELECT_BY}"),
-      ("train.batch", config.train.batch >= 1),
-      ("train.window", config.train.window >= 2),
-      ("draft.vocab_keep", config.draft.vocab_keep >= 3),
-      ("draft.num_layers", config.draft.num_layers >= 1),
-      ("train.checkpoint_every", config.train.checkpoint_every >= 1),
-      ("train.grow_layers", config.train.grow_layers >= 0),
-      ("train.grow_layers", config.train.grow_layers == 0 or bool(config.train.init_from)),
-      ("train.init_from", config.mode not in ("shrink_vocab", "fit_copy_gate")
-       or bool(config.train.init_from), f"{config.mode} needs the draft folder to start from"),
-      ("export_dir", config.mode not in ("export", "shrink_vocab", "fit_copy_gate")
-       or bool(config.export_dir), "give the folder to write the draft to"),
-      ("data.continuations_dir", config.mode != "fit_copy_gate"
-       or bool(config.data.continuations_dir), "the gate is fitted on kept continuations"),
-      ("copy.max_ngram", config.copy.max_ngram >= 1),
-      ("copy.unroll", config.copy.unroll >= 1),
-      ("copy.lam_step", 0 < config.copy.lam_step <= config.copy.max_lam < 1),
-      ("copy.max_lam", 0 < config.copy.max_lam < 1),
-      ("copy.max_lam", abs(round(config.copy.max_lam / config.copy.lam_step)
-                           * config.copy.lam_step - config.copy.max_lam) < 1e-9,
-       "must be a multiple of copy.lam_step (the grid's last point)"),
-      ("copy.l2", config.copy.l2 >= 0),
-      ("copy.fit_steps", config.copy.fit_steps >= 1),
-      ("copy.learning_rate", config.copy.learning_rate > 0),
-      ("copy.shards", config.mode != "fit_copy_gate" or len(config.copy.shards) > 0),
-  ]
-  for field, ok, *why in checks:
-    if not ok:
+  for field, ok, *why in _checks(config):
+    if not ok():  # lazy: a later check may divide by a field an earlier one rejects
       section, _, name = field.rpartition(".")
       value = (config[section] if section else config)[name]
       raise ValueError(f"config.{field}={value!r} is invalid" + "".join(f": {w}" for w in why))
+
+
+def _checks(config) -> list[tuple]:
+  """(field, () -> bool, optional reason) per check, in the order they are made."""
+  c, d, t, cp = config, config.data, config.train, config.copy
+  return [
+      ("mode", lambda: c.mode in MODES),
+      ("data.continuation", lambda: d.continuation in ("reference", "target")),
+      ("data.continuations_dir", lambda: c.mode == "fit_copy_gate"
+       or not d.continuations_dir or d.continuation == "target",
+       "kept ids need data.continuation='target'"),
+      ("data.continuations_only",
+       lambda: not d.continuations_only or bool(d.continuations_dir),
+       "ids-only runs need data.continuations_dir"),
+      ("data.cnndm_windows", lambda: len(d.cnndm_windows) > 0
+       and all(w >= 0 for w in d.cnndm_windows)),
+      ("data.cnndm_windows", lambda: tuple(d.cnndm_windows) == (0,)
+       or d.continuation == "target" or c.mode == "fit_copy_gate",
+       "windows past an article's start need data.continuation='target' (the reference "
+       "summary is the whole article's)"),
+      ("data.temperatures", lambda: len(d.temperatures) > 0
+       and all(x >= 0 for x in d.temperatures), "one or more temperatures >= 0"),
+      ("draft.kind", lambda: config.draft.kind in architectures.KINDS),
+      ("train.loss", lambda: t.loss in losses.LOSSES),
+      ("train.unroll", lambda: t.unroll >= 1),
+      ("train.argmax_weight", lambda: t.argmax_weight >= 0),
+      ("train.select_by", lambda: t.select_by in SELECT_BY, f"one of {SELECT_BY}"),
+      ("train.batch", lambda: t.batch >= 1),
+      ("train.window", lambda: t.window >= 2),
+      ("draft.vocab_keep", lambda: config.draft.vocab_keep >= 3),
+      ("draft.num_layers", lambda: config.draft.num_layers >= 1),
+      ("train.checkpoint_every", lambda: t.checkpoint_every >= 1),
+      ("train.rescan_every", lambda: t.rescan_every >= 1),
+      ("train.log_every", lambda: t.log_every >= 1),
+      ("train.grow_layers", lambda: t.grow_layers >= 0),
+      ("train.grow_layers", lambda: t.grow_layers == 0 or bool(t.init_from)),
+      ("train.init_from", lambda: c.mode not in ("shrink_vocab", "fit_copy_gate")
+       or bool(t.init_from), f"{c.mode} needs the draft folder to start from"),
+      ("export_dir", lambda: c.mode not in ("export", "shrink_vocab", "fit_copy_gate")
+       or bool(c.export_dir), "give the folder to write the draft to"),
+      ("data.continuations_dir", lambda: c.mode != "fit_copy_gate"
+       or bool(d.continuations_dir), "the gate is fitted on kept continuations"),
+      ("copy.max_ngram", lambda: cp.max_ngram >= 1),
+      ("copy.unroll", lambda: cp.unroll >= 1),
+      ("copy.lam_step", lambda: cp.lam_step > 0),
+      ("copy.max_lam", lambda: 0 < cp.max_lam < 1),
+      ("copy.lam_step", lambda: cp.lam_step <= cp.max_lam, "at most copy.max_lam"),
+      ("copy.max_lam", lambda: abs(round(cp.max_lam / cp.lam_step) * cp.lam_step
+                                   - cp.max_lam) < 1e-9,
+       "must be a multiple of copy.lam_step (the grid's last point)"),
+      ("copy.l2", lambda: cp.l2 >= 0),
+      ("copy.fit_steps", lambda: cp.fit_steps >= 1),
+      ("copy.learning_rate", lambda: cp.learning_rate > 0),
+      ("copy.shards", lambda: c.mode != "fit_copy_gate" or len(cp.shards) > 0),
+  ]
 
 
 def _log_fn(workdir: str):
@@ -156,18 +166,20 @@ def _train_step(train_params, opt_state, frozen, batch, *, draft, hp, tx):
 
 
 def held_out_batches(config, kept_index) -> dict:
-  """Fixed held-out windows per held-out shard index (source from the shard pattern)."""
+  """Fixed held-out windows per held-out shard, named by its source in the data plan and
+  its index (e.g. 'cnndm1')."""
   out = {}
-  pattern = tuple(config.data.pattern)
+  plan = data.data_plan(config.data)
   for index in config.train.eval_shards:
     path = data.shard_path(config.data.dir, index)
     if not os.path.exists(path):
       continue
     seqs = batches.load_sequences(path)
     rng = np.random.default_rng([12345, index])
-    name = f"{pattern[index % len(pattern)]}{index}"
-    out[name] = batches.window_batch(seqs, rng, 16, config.train.window, kept_index,
-                                     config.train.prompt_weight)
+    # Past a source's end the plan goes on with the others: the pattern no longer says.
+    source = plan[index][0] if index < len(plan) else "shard"
+    out[f"{source}{index}"] = batches.window_batch(seqs, rng, 16, config.train.window,
+                                                   kept_index, config.train.prompt_weight)
   return out
 
 
@@ -211,6 +223,34 @@ class Trainer:
     self._setup()
 
   # ---- state -------------------------------------------------------------------------
+  @property
+  def _in_use_path(self) -> str:
+    return os.path.join(self.workdir, "shards_in_use.txt")
+
+  def _use_shards(self, num_shards: int, first=()) -> None:
+    """Puts `num_shards` training shards in use and records which ones (in the order they
+    entered) before a checkpoint counts them: its count n then names the record's first n,
+    which a resumed run uses even if the folders grew while it was stopped."""
+    dropped = self.pool.num_dropped
+    self.pool.use(num_shards, first)
+    tmp = self._in_use_path + ".tmp"
+    with open(tmp, "w") as f:
+      f.writelines(path + "\n" for path in self.pool.in_use)
+    os.replace(tmp, self._in_use_path)
+    if self.pool.num_dropped != dropped:
+      self.log(f"left out {self.pool.num_dropped} training sequences whose prompt is a "
+               f"held-out shard's (of {self.config.data.dir}, shards "
+               f"{tuple(self.config.train.eval_shards)})")
+
+  def _recorded_shards(self, num_shards: int) -> list[str]:
+    """The first `num_shards` recorded shards in use; [] for a checkpoint written before
+    they were recorded (it resumes on the first shards in listing order)."""
+    if not os.path.exists(self._in_use_path):
+      return []
+    with open(self._in_use_path) as f:
+      paths = [line.rstrip("\n") for line in f if line.strip()]
+    return paths[:num_shards] if len(paths) >= num_shards else []
+
   def _wait_for_shards(self, needed: int) -> int:
     """Blocks until `needed` shards exist: a data job may be writing them beside this run."""
     hint = (" (write them with the same config and --config.mode=data, which may run beside"
@@ -244,7 +284,7 @@ class Trainer:
     elif init_meta is not None and not tc.reselect_vocab:
       vocab_ids = init_vocab
     else:
-      self.pool.use(num_shards)
+      self._use_shards(num_shards)
       vocab_ids, coverage = batches.choose_vocab(self.pool.sequences, self.config.draft.vocab_keep,
                                                  self.target.config.vocab_size, tc.prompt_weight)
       self.log(f"kept vocabulary {len(vocab_ids)} ids cover {coverage:.4f} of the target's "
@@ -265,7 +305,9 @@ class Trainer:
     if latest is not None:
       self.state = self.manager.restore(latest, args=ocp.args.StandardRestore(self.state))
       self.log(f"resumed from step {latest}")
-    self.pool.use(int(self.state["num_shards"]))
+    num_shards = int(self.state["num_shards"])
+    first = self._recorded_shards(num_shards) if latest is not None else ()
+    self._use_shards(num_shards, first)
     self.best = self._read_best()
 
   def _read_best(self) -> float:
@@ -309,8 +351,8 @@ class Trainer:
       if step > 0 and step % tc.rescan_every == 0:
         n = self.pool.available()
         if n > int(self.state["num_shards"]):
+          self._use_shards(n)
           self.state["num_shards"] = jnp.asarray(n, jnp.int32)
-          self.pool.use(n)
           self.log(f"step {step}: now training on {n} shards, {len(self.pool.sequences)} "
                    "sequences")
       batch = self.batch_for_step(step)
@@ -366,6 +408,7 @@ def shrink_vocab(config: ml_collections.ConfigDict, target, log=print) -> dict:
   if keep > len(ids):
     raise ValueError(f"config.draft.vocab_keep={keep} is invalid: {tc.init_from} keeps "
                      f"{len(ids)} ids, and shrinking cannot add any")
+  artifacts.check_export_dir(config.export_dir)
   pool = _training_pool(config)
   pool.use(pool.available())
   if not pool.sequences:
@@ -374,7 +417,8 @@ def shrink_vocab(config: ml_collections.ConfigDict, target, log=print) -> dict:
   kept, coverage = batches.choose_vocab(pool.sequences, keep, target.config.vocab_size,
                                         tc.prompt_weight, candidates=ids)
   log(f"{len(kept)} of {len(ids)} ids cover {coverage:.4f} of the target's top-k mass on "
-      f"{pool.num_shards} training shards")
+      f"{pool.num_shards} training shards ({pool.num_dropped} sequences with a held-out "
+      "prompt left out)")
   kept_index = batches.kept_index(kept, target.config.vocab_size)
   frozen = architectures.frozen_params(target.params, kept)
   results = evaluate(config, draft, train_params, frozen, kept_index, _hyperparams(tc))
@@ -389,6 +433,7 @@ def shrink_vocab(config: ml_collections.ConfigDict, target, log=print) -> dict:
   artifacts.save_draft(config.export_dir, draft, train_params, kept, target.name,
                        extra={"eval": {"step": meta.get("step"), **results},
                               "step": meta.get("step"), "recipe": recipe})
+  artifacts.remove_stale_files(config.export_dir, artifacts.SAVED_FILES, log)
   log(f"wrote the shrunk draft to {config.export_dir}")
   return results
 
@@ -405,7 +450,7 @@ def run(config: ml_collections.ConfigDict) -> None:
     return
   if config.mode == "export":
     src = os.path.join(config.workdir, "best")
-    shutil.copytree(src, config.export_dir, dirs_exist_ok=True)
+    artifacts.replace_draft_folder(src, config.export_dir, log=log)
     log(f"copied {src} to {config.export_dir}")
     return
   if config.mode == "shrink_vocab":

@@ -40,8 +40,15 @@ class LoadedModel:
   source_path: str
 
 
+def looks_like_local_path(spec: str) -> bool:
+  """A spec only a local path can be: a weights file name, or an explicit path start."""
+  return (spec.lower().endswith((".gguf", ".safetensors"))
+          or spec.startswith(("./", "../", "/", "~")))
+
+
 def looks_like_hub_id(spec: str) -> bool:
-  return bool(_HUB_ID.fullmatch(spec)) and not os.path.exists(spec)
+  return (bool(_HUB_ID.fullmatch(spec)) and not looks_like_local_path(spec)
+          and not os.path.exists(spec))
 
 
 def download_from_hub(hub_id: str) -> str:
@@ -72,21 +79,33 @@ def download_from_hub(hub_id: str) -> str:
 
 
 def resolve_location(spec: str) -> tuple[str, str]:
-  """(name, local path) of a registry name, folder, .gguf file or hub id.
+  """(name, local path) of a registry name, folder, .gguf file or hub id. A spec ending in
+  .gguf or .safetensors, or starting with ./ ../ / or ~, is only ever a local path.
 
   Raises:
     FileNotFoundError: nothing at that path (and not a hub id / registry name).
   """
   spec = os.fspath(spec)
   name = spec
-  if registry.is_registered(spec):
+  registered = registry.is_registered(spec)
+  if registered:
     spec = registry.resolve(spec)
+  spec = os.path.expanduser(spec)
   if os.path.exists(spec):
-    if name == spec:
+    if not registered:
       name = os.path.basename(os.path.normpath(spec))
     return name, spec
+  if looks_like_local_path(spec):
+    raise FileNotFoundError(f"no model at {spec!r}: nothing exists at that local path "
+                            f"(relative paths start at {os.getcwd()})")
   if looks_like_hub_id(spec):
-    return name, download_from_hub(spec)
+    try:
+      return name, download_from_hub(spec)
+    except FileNotFoundError as err:
+      if os.path.isdir(spec.split("/")[0]):  # 'runs/model' may be a mistyped local path
+        raise FileNotFoundError(f"{err}. Nothing exists at the local path {spec!r} either "
+                                f"(relative paths start at {os.getcwd()})") from err
+      raise
   raise FileNotFoundError(
       f"no model at {spec!r}: not an existing file or folder, not a registered name "
       f"({', '.join(sorted(registry.REGISTRY))}) and not a hub id like 'org/name'")
