@@ -1,6 +1,7 @@
 """Base config of the main job: the embedded pair (SmolLM2-135M-Instruct and its shipped
 draft and head) evaluated on a GSM8K slice. Task configs (gsm8k.py, cnndm.py, ...) start
-from here; `:variant` picks a model preset (see PRESETS):
+from here; `:variant` picks a model preset (embedded, llama, qwen3, gemma3 or tiny; see
+diversed_jax/evaluation/presets.py):
 
   python -m diversed_jax.main --config=configs/gsm8k.py
   python -m diversed_jax.main --config=configs/gsm8k.py:qwen3 --config.task.limit=200
@@ -32,7 +33,6 @@ def base() -> ml_collections.ConfigDict:
   c.seed = 0  # base seed of every sampling stream (per batch: seed + first example index)
 
   c.model = ml_collections.ConfigDict()
-  c.model.preset = "embedded"  # name of the pair (set by the :variant argument)
   c.model.target = "smollm2-135m-instruct"  # registry name, model folder, .gguf or hub id
   c.model.draft = ""  # '' = the target's default draft; 'self:L', a model or a draft folder
   c.model.finetuned_draft = ""  # draft of method 'sd_finetuned' ('' = that method is skipped)
@@ -75,6 +75,10 @@ def base() -> ml_collections.ConfigDict:
   # keeps exact methods exact (greedy SD == plain greedy); "default" (TF32 / bf16 passes)
   # is faster there but breaks that. CPU: no effect.
   c.decode.matmul_precision = "highest"
+  # Devices a call's rows are split over ('data' mesh axis): -1 = all visible (every host's),
+  # 1 = one device. With several, decode.batch_size (bench: bench.num_prompts) must divide
+  # by it; a queue (decode.queue > batch_size) is not split. One device: no effect.
+  c.decode.mesh_data = -1
 
   c.methods = ml_collections.ConfigDict()
   c.methods.run = "ar,sd,lossy,static,diversed"  # comma list of methods.FAMILIES
@@ -98,7 +102,7 @@ def base() -> ml_collections.ConfigDict:
 
   c.distill = ml_collections.ConfigDict()
   c.distill.config = "configs/distill_smollm2.py"  # config file of `python -m diversed_jax.distill`
-  c.distill.mode = "train"  # its mode: 'data', 'train' or 'export'
+  c.distill.mode = "train"  # its mode: 'data' or 'train' (export: run diversed_jax.distill)
 
   c.train = train_config.default_config()  # head training (diversed_jax.training), see there
   c.train.task = ""  # task whose examples train the head ('' = task.name)

@@ -5,7 +5,8 @@ r"""Generate text with any verification method, for humans and scripts.
   python -m diversed_jax.generate --method=diversed --num_draft=4 --json --prompt=...
 
 Without --draft a speculative method uses the target's default draft; --method=diversed
-without --head uses the pair's shipped head, else a fixed w = 0.5.
+without --head uses the pair's shipped head for --task (default gsm8k), else a fixed w = 0.5
+(with a warning).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ _WEIGHT = flags.DEFINE_float("weight", 0.5, "Static ensemble weight w on the tar
 _CASCADE_RULE = flags.DEFINE_enum("cascade_rule", "opt", CASCADE_RULES, "SpecCascade rule.")
 _CASCADE_ALPHA = flags.DEFINE_float("cascade_alpha", 0.1, "SpecCascade lenience alpha.")
 _EPSILON = flags.DEFINE_float("epsilon", 0.1, "Mentored decoding TV budget.")
-_TASK = flags.DEFINE_string("task", None, "Task whose shipped head to use (diversed).")
+_TASK = flags.DEFINE_string("task", None, "Task whose shipped head to use (diversed; "
+                            "default gsm8k).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
 _PRECISION = flags.DEFINE_enum(
     "matmul_precision", "highest", MATMUL_PRECISIONS,
@@ -81,6 +83,8 @@ def main(argv):
   decoder, info = build.build_decoder(target, _DRAFT.value, _HEAD.value, _TASK.value,
                                       need_draft=verify.method != "ar",
                                       matmul_precision=_PRECISION.value)
+  if verify.method == "diversed" and info.get("head") == build.FIXED_HEAD:
+    logging.warning(build.fixed_weight_warning(target.name, info["draft"], _TASK.value))
   prompt_ids = tokenizer_lib.encode_prompt(tokenizer, _PROMPT.value, chat=not _NO_CHAT.value)
   out = decoder.generate([prompt_ids], verify, num_draft=_NUM_DRAFT.value,
                          max_new_tokens=_MAX_NEW.value, seed=_SEED.value)

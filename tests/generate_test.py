@@ -23,14 +23,15 @@ def tiny_model_folder(tmp_path_factory):
   return folder
 
 
-def _generate(folder, *flags):
+def _generate(folder, *flags, with_log=False):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run(
       [sys.executable, "-m", "diversed_jax.generate", f"--target={folder}",
        "--prompt=Say hello.", "--max_new_tokens=12", "--json", *flags],
       capture_output=True, text=True, env=env, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
-  return json.loads(result.stdout.strip().splitlines()[-1])
+  record = json.loads(result.stdout.strip().splitlines()[-1])
+  return (record, result.stderr) if with_log else record
 
 
 def test_generate_json_for_autoregressive_and_speculative(tiny_model_folder):
@@ -45,9 +46,10 @@ def test_generate_json_for_autoregressive_and_speculative(tiny_model_folder):
     assert key in sd
   assert len(sd["accepted_per_round"]) == sd["rounds"]
   assert sd["tokens_per_round"] == pytest.approx(sd["num_tokens"] / sd["rounds"])
-  diversed = _generate(tiny_model_folder, "--temperature=1", "--method=diversed",
-                       "--draft=self:2", "--seed=3")
+  diversed, log = _generate(tiny_model_folder, "--temperature=1", "--method=diversed",
+                            "--draft=self:2", "--seed=3", with_log=True)
   assert diversed["head"] == "fixed w=0.5" and diversed["num_tokens"] > 0
+  assert "runs with a fixed w=0.5 (the static ensemble, not DIVERSED)" in log, log[-2000:]
 
 
 def test_generate_rejects_a_draft_with_another_vocabulary(tiny_model_folder, tmp_path):
@@ -80,3 +82,19 @@ def test_generate_rejects_bad_flags_before_loading_a_model(flags, message):
   assert result.returncode != 0
   assert message in result.stderr
   assert "no model at" not in result.stderr
+
+
+def test_without_a_task_diversed_takes_the_pairs_gsm8k_head(monkeypatch):
+  # generate --method=diversed without --task: the choice is DEFAULT_HEAD_TASK, not the
+  # first head in sort order ('cnndm' < 'gsm8k').
+  from diversed_jax.speculative import build
+  monkeypatch.setattr(build, "_register_shipped_artifacts", lambda: None)
+  monkeypatch.setattr(build, "DEFAULT_HEADS", {("t", "d", "cnndm"): "/heads/cnndm",
+                                               ("t", "d", "gsm8k"): "/heads/gsm8k"})
+  monkeypatch.setattr(build, "HEAD_LOADER", [lambda folder: (None, {"folder": folder})])
+  assert build.DEFAULT_HEAD_TASK == "gsm8k"
+  assert build.load_head(None, "t", "d", None)[2] == "/heads/gsm8k"
+  assert build.load_head(None, "t", "d", "cnndm")[2] == "/heads/cnndm"
+  assert build.load_head(None, "t", "d", "mbpp")[2] == build.FIXED_HEAD
+  warning = build.fixed_weight_warning("t", "d", "mbpp")
+  assert "task 'mbpp'" in warning and "(cnndm, gsm8k)" in warning

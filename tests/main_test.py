@@ -7,10 +7,14 @@ import os
 import subprocess
 import sys
 
+import types
+
+import numpy as np
 import pytest
 
-from diversed_jax.evaluation import config_io, evaluate, report
+from diversed_jax.evaluation import config_io, evaluate, methods, report
 from diversed_jax.evaluation.results import ResultStore
+from diversed_jax.speculative import build, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("method", "params", "dataset", "n_examples", "acceptance_rate", "tokens_per_round",
@@ -207,3 +211,112 @@ def test_distill_mode_runs_the_distill_job(tmp_path, monkeypatch):
                                  {"mode": "distill", "distill.mode": "data"})
   runner.run(config, str(tmp_path), log=lambda m: None)
   assert len(seen) == 1 and seen[0].mode == "data"
+
+
+class _FakeDecoder:
+  """Each prompt of a call decodes in its own column for 3 rounds, each round accepting 1 of
+  K = 2 drafts with w = (0.2, 0.4, 0.6) at the three positions; a call lasts 1 s per prompt."""
+
+  def __init__(self):
+    self.calls = []
+
+  def generate(self, prompts, verify, *, num_draft, max_new_tokens, seed, batch_size):
+    del verify, num_draft, max_new_tokens, seed, batch_size
+    n = len(prompts)
+    self.calls.append(n)
+    shape = (3, n)
+    stats = loop.RoundStats(
+        active_rb=np.ones(shape, bool), prompt_rb=np.broadcast_to(np.arange(n), shape),
+        num_accepted_rb=np.ones(shape, np.int32),
+        accept_prob_rbk=np.full(shape + (2,), 0.5, np.float32),
+        beta_rbk=np.full(shape + (2,), 0.5, np.float32),
+        weights_rbk=np.broadcast_to(np.float32([0.2, 0.4, 0.6]), shape + (3,)),
+        width_r=np.full(3, n, np.int32))
+    return types.SimpleNamespace(token_ids=[[5] * 6] * n, seconds=float(n), stats=stats,
+                                 compile_seconds=0.0)
+
+
+class _FakeTokenizer:
+  def encode(self, text, add_special_tokens=True):
+    return [1] + [ord(c) % 50 for c in text[:20]]
+
+  def decode(self, ids, skip_special_tokens=True):
+    return "The answer is 3."
+
+
+def _fake_models(head="/heads/gsm8k"):
+  decoder = _FakeDecoder()
+  return types.SimpleNamespace(decoder_for=lambda setting: decoder, tokenizer=_FakeTokenizer(),
+                               info={"target": "t", "draft": "d", "head": head},
+                               decoder=decoder)
+
+
+def _gsm8k_config(**overrides):
+  return config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py"),
+                               {"model.chat": False, **overrides})
+
+
+def _run(config, setting, tmp_path):
+  from diversed_jax.tasks.registry import get_task
+  task = get_task("gsm8k")
+  examples = task.load(limit=config.task.limit)
+  models = _fake_models()
+  store = ResultStore(str(tmp_path / f"{setting.name}.jsonl"))
+  evaluate.run_setting(setting, "fp", config, models, task, examples,
+                       [[1]] * len(examples), store, log=lambda m: None)
+  return models.decoder.calls, store.records("fp")
+
+
+def test_padding_prompts_time_is_not_charged_to_real_examples(tmp_path):
+  # 9 examples, 8 a call: the second call is 1 example padded to 8 prompts.
+  config = _gsm8k_config(**{"decode.batch_size": 2, "decode.queue": 8, "methods.run": "ar",
+                            "task.limit": 9})
+  calls, records = _run(config, methods.expand(config)[0], tmp_path)
+  assert calls == [8, 8]
+  assert [r["seconds"] for r in records] == pytest.approx([1.0] * 9)
+
+
+def test_weight_is_the_mean_over_committed_positions_and_cascade_has_none(tmp_path):
+  config = _gsm8k_config(**{"methods.run": "static,cascade,diversed",
+                            "methods.static_weights": (0.5,), "task.limit": 2})
+  weights = {}
+  for setting in methods.expand(config):
+    _, records = _run(config, setting, tmp_path)
+    weights[setting.family] = [r.get("weight") for r in records]
+  # n = 1 accepted draft a round: w at d_1 (0.2) and at the residual's position (0.4).
+  assert weights["static"] == pytest.approx([0.3, 0.3])
+  assert weights["diversed"] == pytest.approx([0.3, 0.3])
+  assert weights["cascade"] == [None, None]
+
+
+def test_diversed_with_a_fixed_weight_is_reported(tmp_path):
+  config = _gsm8k_config(**{"methods.run": "diversed", "task.limit": 2})
+
+  def warnings_with(head):
+    lines = []
+    evaluate.evaluate(config, str(tmp_path / head.replace("/", "_")),
+                      models=_fake_models(head), log=lines.append)
+    return [line for line in lines if line.startswith("WARNING")]
+
+  assert warnings_with("/heads/gsm8k") == []
+  (warning,) = warnings_with(build.FIXED_HEAD)
+  assert "fixed w=0.5" in warning and "task 'gsm8k'" in warning
+
+
+def test_fingerprint_follows_the_call_layout_and_only_its_own_rule_fields():
+  models = _fake_models()
+  run = "ar,sd,typical"
+
+  def fingerprints(**overrides):
+    config = _gsm8k_config(**{"methods.run": run, **overrides})
+    return {s.name: evaluate.setting_fingerprint(config, s, models)
+            for s in methods.expand(config)}
+
+  base = fingerprints()
+  assert fingerprints(**{"decode.queue": 4}) == base  # queue = batch_size: the same calls
+  for change in ({"decode.batch_size": 2}, {"decode.queue": 8}, {"decode.shrink_tail": True}):
+    changed = fingerprints(**change)
+    assert all(changed[name] != base[name] for name in base), change
+  typical = fingerprints(**{"methods.typical_delta": 0.2})
+  assert typical["ar"] == base["ar"] and typical["sd"] == base["sd"]
+  assert typical["typical"] != base["typical"]

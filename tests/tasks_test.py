@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from diversed_jax.tasks import datasets, prompts
+from diversed_jax.tasks import datasets, gsm8k, prompts
 from diversed_jax.tasks.datasets import Example
-from diversed_jax.tasks.registry import TASK_NAMES, get_task
+from diversed_jax.tasks.registry import TASK_NAMES, Task, get_task
 
 
 class FakeTokenizer:
@@ -219,8 +219,11 @@ def test_registry():
   assert metrics == {"gsm8k": "accuracy", "cnndm": "rouge2", "xsum": "rouge2",
                      "mbpp": "pass@1", "humaneval": "pass@1"}
   for name in TASK_NAMES:
-    task = get_task(name)
-    assert task.max_new_tokens > 0 and task.hub_source and task.fields
+    assert get_task(name).fields
+  # Budgets and sources are the configs' (decode.max_new_tokens, task.source): a Task
+  # carries only what its methods read.
+  assert [f.name for f in dataclasses.fields(Task)] == [
+      "name", "fields", "metric", "max_source_words", "eval_split"]
   assert get_task("xsum").fields["source_text"] == "document"
   with pytest.raises(ValueError, match=r"unknown task 'gsm'.*\['gsm8k', 'cnndm'"):
     get_task("gsm")
@@ -238,3 +241,39 @@ def test_task_rewards_and_quality():
   assert 0.0 <= cnndm.reward("Something else entirely.", ex[0]) < 0.1
   with pytest.raises(ValueError, match="1 completions for 2 examples"):
     gsm.rewards(["x"], examples)
+
+
+# GSM8K answers: our prompt ends in "Question: ...\nAnswer:" (prompts._gsm8k), so a completion
+# may repeat that header before its reasoning, and may run on into a new question after its
+# answer.
+@pytest.mark.parametrize("completion, expected", [
+    # The header opens reasoning: its first number (16) is not the answer.
+    ("Answer: Janet's ducks lay 16 eggs. She eats 3 and bakes with 4.\n"
+     "16 - 3 - 4 = 9 eggs, sold at $2: 9 * 2 = 18. The answer is 18.", "18"),
+    ("**Answer:** She sells 9 eggs for $2 each, so she makes 18 dollars.", "18"),  # last number
+    # Text after the model's answer that starts a new question does not win, "####" or not.
+    ("The answer is 18.\n\nQuestion: Tom has 3 bags of 2 apples.\nAnswer: 3 * 2 = 6\n#### 7",
+     "18"),
+    ("So she earns $18.\n#### 18\n\nQuestion: What is 3 + 4?\nThe answer is 7.", "18"),
+    # A header holding only a number states it.
+    ("Answer: 18", "18"),
+    ("She makes 9 * 2 = 18 dollars.\n**Answer:** $1,080.", "1080"),
+    ("Answer:\n16 - 3 - 4 = 9, and 9 * 2 = 18", "18"),  # no marker: the last number
+    ("Final answer: 42 (from 6 * 7)", "42"),  # 'answer:' inside a line is a marker
+    ("The answer is .5", "0.5"),
+    ("It grows by -.25 each day", "-0.25"),
+    ("versions 1.2.5 and 3", "3"),
+])
+def test_gsm8k_the_models_own_answer_statement_wins(completion, expected):
+  assert gsm8k.extract_answer(completion) == expected
+
+
+def test_gsm8k_reference_is_after_its_last_hashes():
+  # A worked answer may say "answer is" before its final '#### N'.
+  solution = "The answer is not 5: she has 5 + 3 = 8.\n#### 8"
+  assert gsm8k.reference_answer(solution) == "8"
+  assert gsm8k.reference_answer("72") == "72"
+  assert gsm8k.gsm8k_reward("The answer is 8.", solution) == 1.0
+  record = {"question": "How many?", "answer": solution}
+  assert datasets._to_example("gsm8k", record, datasets.default_fields("gsm8k"), ("id",),
+                              "file", 0, "test").reference == "8"

@@ -7,9 +7,13 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
+
 from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.evaluation import validate as validate_lib
 from diversed_jax.models import loading
+from diversed_jax.parallel import hosts
+from diversed_jax.parallel import mesh as mesh_lib
 from diversed_jax.speculative import build
 from diversed_jax.speculative.decoder import SpeculativeDecoder
 from diversed_jax.tasks import prompts as prompts_lib
@@ -79,19 +83,51 @@ class Models:
     self.decoders["diversed"] = SpeculativeDecoder(base.target, base.draft, base.draft_params,
                                                    weight_fn, params,
                                                    shrink_tail=base.shrink_tail,
-                                                   matmul_precision=base.matmul_precision)
+                                                   matmul_precision=base.matmul_precision,
+                                                   mesh=base.mesh)
     self.info["head"] = folder
 
 
 def resolve_head(config, workdir: str | None) -> str | None:
-  """head.path, else the head trained in this workdir, else None (shipped / w = 0.5)."""
-  if config.head.path:
-    return config.head.path
-  if workdir:
+  """head.path, else the head trained in this workdir, else None (shipped / w = 0.5).
+  Several processes take process 0's answer, so that all build the same decoders."""
+  head = config.head.path or None
+  if not head and workdir:
     trained = os.path.join(workdir, TRAIN_SUBDIR, "head")
     if os.path.isfile(os.path.join(trained, "head.json")):
-      return trained
-  return None
+      head = trained
+  if jax.process_count() == 1:
+    return head
+  head = hosts.broadcast_bytes((head or "").encode()).decode() or None
+  if head and not os.path.isdir(os.path.expanduser(head)):
+    raise ValueError(f"head folder {head!r} (process 0's) is missing on process "
+                     f"{jax.process_index()}: give every host the same workdir (a shared "
+                     "mount) or head.path")
+  return head
+
+
+def decode_mesh(config, log=None):
+  """The mesh that splits the rows of the job's decoding calls (decode.mesh_data), or None
+  on one device, where nothing changes. Rows: bench.num_prompts in mode 'bench', else
+  decode.batch_size; a queue (decode.queue > batch_size) stays unsplit (the loop reads
+  it replicated, so every device would decode every row): None, with a note in `log`."""
+  d = config.decode
+  data = d.get("mesh_data", -1)
+  if config.mode != "bench" and d.queue > d.batch_size:
+    if jax.device_count() > 1 and data != 1 and log:
+      log(f"decode.queue={d.queue} > decode.batch_size: continuous batching is not split "
+          f"over the devices; each process decodes on one")
+    return None
+  if config.mode == "bench":
+    rows, field = config.bench.num_prompts, "bench.num_prompts"
+  else:
+    rows, field = d.batch_size, "decode.batch_size"
+  mesh = mesh_lib.data_mesh(data, rows, rows_field=field)
+  if mesh is not None and log:
+    size = mesh.shape[mesh_lib.DATA]
+    log(f"mesh: {rows} rows per call split over data={size} devices "
+        f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''})")
+  return mesh
 
 
 def load_models(config, settings, workdir: str | None = None, target=None,
@@ -108,6 +144,7 @@ def load_models(config, settings, workdir: str | None = None, target=None,
   decoders, info = {}, {"target": target.name}
   options = dict(shrink_tail=config.decode.shrink_tail,
                  matmul_precision=config.decode.matmul_precision)
+  mesh = decode_mesh(config, log)
   if drafts_needed - {"finetuned"} or not drafts_needed:
     decoder, built = build.build_decoder(
         target, config.model.draft or None, None, head_task,
@@ -121,6 +158,8 @@ def load_models(config, settings, workdir: str | None = None, target=None,
     info["finetuned_draft"] = built["draft"]
   if "default" not in decoders:
     decoders["default"] = decoders["finetuned"]
+  for decoder in decoders.values():
+    decoder.mesh = mesh  # build_decoder takes no mesh; set before anything compiles
   models = Models(target, tokenizer, decoders, info)
   if head_folder and "diversed" in families:
     models.attach_head(head_folder)

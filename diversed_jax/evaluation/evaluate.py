@@ -8,8 +8,10 @@ batching. Summary rows are computed from the file (report.summarize).
 
 Per-example record: fingerprint, setting, method, params, example_id, index, completion,
 num_tokens, rounds, accepted, num_draft, theory (sum over rounds of the expected accepted
-drafts), weight (mean w_t on the target, ensembles only), seconds (the call's decode
-seconds shared over its examples), reward.
+drafts), weight (mean w_t on the target over the positions whose law committed a token,
+d_1..d_n and the token at n; static, static_logit and diversed only), seconds (the call's
+decode seconds shared by row-rounds: an example's rounds over all the rounds the rows ran,
+so padding prompts keep their share out of the records), reward.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from diversed_jax.digest import folder_digest
 from diversed_jax.evaluation import context as context_lib
 from diversed_jax.evaluation import methods as methods_lib
 from diversed_jax.evaluation.results import ResultStore, fingerprint
-from diversed_jax.speculative import metrics
-from diversed_jax.speculative.loop import BONUS_NEEDS_DRAFT
+from diversed_jax.speculative import build, metrics
+
+# Rules whose emitted law blends target and draft with a weight w_t on the target
+# (cascade defers instead: it has no w, so its records carry no weight).
+WEIGHTED_METHODS = ("static", "static_logit", "diversed")
 
 
 def settings_for(config, log: Callable = print) -> list[methods_lib.MethodSetting]:
@@ -54,7 +59,28 @@ def setting_fingerprint(config, setting, models) -> str:
                      config.decode.num_draft, config.decode.max_new_tokens, config.seed,
                      task.name, task.source, task.split, task.num_shots,
                      task.max_prompt_tokens, context_lib.field_overrides(task.fields),
-                     *precision)
+                     *precision, call_layout(config.decode))
+
+
+def call_layout(decode) -> dict:
+  """The decode settings that shape each call: they change the seconds, and at T > 0 the
+  samples (each call's seed is seed + its first example's index)."""
+  return {"batch_size": decode.batch_size, "examples_per_call": examples_per_call(decode),
+          "shrink_tail": decode.shrink_tail}
+
+
+def examples_per_call(decode) -> int:
+  """Examples a decoding call takes: decode.queue when it exceeds batch_size."""
+  return max(decode.batch_size, decode.queue)
+
+
+def mean_committed_weight(stats, served) -> float:
+  """Mean w_t on the target over the positions of the `served` [R, B] row-rounds whose
+  law committed a token: d_1..d_n and the residual or bonus token at n."""
+  weights_nk = np.asarray(stats.weights_rbk)[served]
+  accepted_n = np.asarray(stats.num_accepted_rb)[served]
+  committed_nk = np.arange(weights_nk.shape[-1]) <= accepted_n[:, None]
+  return float(weights_nk[committed_nk].mean())
 
 
 def row_figures(stats, prompt: int, num_tokens: int, speculative: bool,
@@ -70,8 +96,14 @@ def row_figures(stats, prompt: int, num_tokens: int, speculative: bool,
          "accepted": int(round(figures["mean_accepted"] * rounds)),
          "theory": figures["expected_accepted_theory"] * rounds}
   if with_weights and served.any():
-    out["weight"] = float(np.asarray(stats.weights_rbk)[served][:, 0].mean())
+    out["weight"] = mean_committed_weight(stats, served)
   return out
+
+
+def seconds_share(stats, seconds: float, prompt_rounds: int) -> float:
+  """A prompt's share of a call's seconds: its row-rounds over all the active row-rounds,
+  padding prompts' included (the call ran them), so their share stays out of the records."""
+  return seconds * prompt_rounds / max(1, int(np.asarray(stats.active_rb, bool).sum()))
 
 
 def run_setting(setting, fp: str, config, models, task, examples, prompts, store: ResultStore,
@@ -79,7 +111,7 @@ def run_setting(setting, fp: str, config, models, task, examples, prompts, store
   """Decodes the examples of `setting` not yet in `store`, one call at a time."""
   done = store.done(fp)
   decoder = models.decoder_for(setting)
-  size = max(config.decode.batch_size, config.decode.queue)
+  size = examples_per_call(config.decode)
   rows_at_once = config.decode.batch_size if size > config.decode.batch_size else None
   batches = range(0, len(examples), size)
   for number, start in enumerate(batches, 1):
@@ -96,22 +128,24 @@ def run_setting(setting, fp: str, config, models, task, examples, prompts, store
              for j in range(len(rows))]
     rewards = task.rewards(texts, [examples[i] for i in rows],
                            workers=config.eval.score_workers)
-    share = out.seconds / len(rows)
-    ensemble = setting.verify.method in BONUS_NEEDS_DRAFT
+    weighted = setting.verify.method in WEIGHTED_METHODS
     records = []
     for j, i in enumerate(rows):
+      figures = row_figures(out.stats, j, len(out.token_ids[j]), setting.family != "ar",
+                            weighted)
       records.append({
           "fingerprint": fp, "setting": setting.name, "method": setting.family,
           "params": setting.params_dict, "example_id": examples[i].id, "index": i,
-          "completion": texts[j], "num_tokens": len(out.token_ids[j]), "seconds": share,
-          "reward": float(rewards[j]),
-          **row_figures(out.stats, j, len(out.token_ids[j]), setting.family != "ar", ensemble)})
+          "completion": texts[j], "num_tokens": len(out.token_ids[j]),
+          "seconds": seconds_share(out.stats, out.seconds, figures["rounds"]),
+          "reward": float(rewards[j]), **figures})
     store.append(records)
     tokens = sum(r["num_tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
     rate = sum(r["accepted"] for r in records) / max(
         1, sum(r["rounds"] * r["num_draft"] for r in records))
     log(f"  {setting.name}: batch {number}/{len(batches)} ({len(rows)} examples) "
-        f"{tokens / max(out.seconds, 1e-9):.1f} tokens/s, acceptance {rate:.2f}, "
+        f"{tokens / max(seconds, 1e-9):.1f} tokens/s, acceptance {rate:.2f}, "
         f"reward {np.mean(rewards[:len(rows)]):.2f}"
         + (f", compiled in {out.compile_seconds:.1f}s" if out.compile_seconds else ""))
     if after_batch is not None:
@@ -145,6 +179,9 @@ def evaluate(config, workdir: str, models=None, log: Callable = print,
   for number, setting in enumerate(settings, 1):
     fp = setting_fingerprint(config, setting, models)
     log(f"[{number}/{len(settings)}] {setting.name}")
+    if setting.family == "diversed" and models.info.get("head") == build.FIXED_HEAD:
+      log("WARNING: " + build.fixed_weight_warning(
+          models.info["target"], models.info.get("draft"), config.head.task or task.name))
     start = time.perf_counter()
     run_setting(setting, fp, config, models, task, examples, prompts, store, log, after_batch)
     records = [r for r in store.records(fp) if r["example_id"] in slice_ids]

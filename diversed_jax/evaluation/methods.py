@@ -55,9 +55,9 @@ def _fmt(x: float) -> str:
 def expand(config) -> list[MethodSetting]:
   """Settings for config.methods.run, with config.decode's temperature and top_p."""
   m, d = config.methods, config.decode
-  base = VerifyParams(method="sd", temperature=float(d.temperature), top_p=float(d.top_p),
-                      typical_epsilon=float(m.typical_epsilon),
-                      typical_delta=float(m.typical_delta))
+  # A rule's own fields go only into its settings (VerifyParams' defaults elsewhere), so
+  # that a setting's fingerprint moves only with what changes its results.
+  base = VerifyParams(method="sd", temperature=float(d.temperature), top_p=float(d.top_p))
 
   def make(name, family, verify_fields, params=(), draft="default"):
     verify = dataclasses.replace(base, **verify_fields)
@@ -89,7 +89,9 @@ def expand(config) -> list[MethodSetting]:
       out += [make(f"mentored(eps={_fmt(e)})", family, dict(method="mentored", epsilon=float(e)),
                    [("epsilon", float(e))]) for e in m.mentored_epsilon]
     elif family == "typical":
-      out.append(make("typical", family, dict(method="typical"),
+      out.append(make("typical", family,
+                      dict(method="typical", typical_epsilon=float(m.typical_epsilon),
+                           typical_delta=float(m.typical_delta)),
                       [("epsilon", float(m.typical_epsilon)),
                        ("delta", float(m.typical_delta))]))
     else:

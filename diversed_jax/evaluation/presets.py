@@ -46,7 +46,6 @@ def apply(c: ml_collections.ConfigDict, variant: str) -> None:
                      "(use --config=configs/NAME.py:VARIANT)")
   if variant in ("", "embedded"):
     return
-  c.model.preset = variant
   if variant in PAIRS:
     c.model.target, c.model.draft = PAIRS[variant]
     # The fine-tuned draft is produced by `diversed_jax.distill` for these pairs; set

@@ -4,6 +4,10 @@ One line per (setting, example): a batch's lines are written with a single `writ
 fsync, so a kill leaves at most one torn last line, which `ResultStore` cuts off when it
 opens the file. A record counts only for the run it belongs to (its `fingerprint`, a hash
 of everything that changes the result), so changing the config never reuses stale lines.
+
+In a multi-host job only process 0 reads and writes the file; the others hold the same
+records in memory (process 0's file, broadcast when the store opens, then every batch's
+records, which all processes compute alike), so all skip the same examples on a resume.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ import hashlib
 import json
 import os
 from typing import Iterable
+
+import jax
+
+from diversed_jax.parallel import hosts
 
 
 def fingerprint(*parts) -> str:
@@ -26,12 +34,19 @@ class ResultStore:
   def __init__(self, path: str):
     self.path = path
     self._records: list[dict] = []
-    if os.path.exists(path):
-      self._load()
+    self._writer = hosts.is_writer()
+    if jax.process_count() > 1:  # a collective: every process opens its store here
+      self._load(hosts.broadcast_bytes(self._read() if self._writer else None))
+    elif os.path.exists(path):
+      self._load(self._read())
 
-  def _load(self) -> None:
+  def _read(self) -> bytes:
+    if not os.path.exists(self.path):
+      return b""
     with open(self.path, "rb") as f:
-      data = f.read()
+      return f.read()
+
+  def _load(self, data: bytes) -> None:
     good = 0  # byte offset after the last complete, parseable line
     for line in data.splitlines(keepends=True):
       if not line.endswith(b"\n"):
@@ -41,7 +56,8 @@ class ResultStore:
       except json.JSONDecodeError:
         break
       good += len(line)
-    if good != len(data):  # a torn tail from a killed run: drop it, it is recomputed
+    # A torn tail from a killed run: dropped (process 0 cuts the file), it is recomputed.
+    if good != len(data) and self._writer:
       with open(self.path, "r+b") as f:
         f.truncate(good)
 
@@ -61,10 +77,11 @@ class ResultStore:
     records = list(records)
     if not records:
       return
-    blob = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
-    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-    with open(self.path, "a", encoding="utf-8") as f:
-      f.write(blob)
-      f.flush()
-      os.fsync(f.fileno())
+    if self._writer:
+      blob = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
+      os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+      with open(self.path, "a", encoding="utf-8") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
     self._records.extend(records)

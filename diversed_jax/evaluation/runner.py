@@ -5,23 +5,62 @@
   train_and_eval  both; the evaluation's 'diversed' uses the head just trained
   distill         run the draft distillation job (diversed_jax.distill) with distill.config
   bench           time every setting on a few prompts (no scoring), write bench.json / .md
+
+Several devices: each decoding call's rows are split over a 'data' mesh of them
+(decode.mesh_data, context.decode_mesh). Several processes (a multi-host job, see
+parallel/hosts.py): modes eval and bench; every process runs the same computations and
+only process 0 writes the workdir's files and prints the tables.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from typing import Callable
+
+import jax
 
 from diversed_jax.evaluation import context as context_lib
 from diversed_jax.evaluation import evaluate as evaluate_lib
 from diversed_jax.evaluation import report
 from diversed_jax.evaluation.validate import validate
+from diversed_jax.parallel import hosts
+
+MULTI_PROCESS_MODES = ("eval", "bench")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def _log(message: str) -> None:
   print(time.strftime("%H:%M:%S"), message, flush=True)
+
+
+def check_workdir(workdir: str) -> str:
+  """The workdir, or ValueError for an object-store URL (gs://, s3://, any scheme://):
+  results are appended with fsync and reports written with open(), which need a file
+  system; os.makedirs would make a local folder named 'gs:' instead."""
+  if not workdir:
+    raise ValueError("workdir='': give --workdir or config.workdir")
+  if _URL.match(workdir):
+    raise ValueError(f"workdir={workdir!r}: object-store URLs are not supported; use a "
+                     "local folder or a mounted bucket (e.g. gcsfuse: "
+                     "--workdir=/mnt/bucket/run)")
+  return workdir
+
+
+def preflight(config, workdir: str | None = None) -> str:
+  """Every check that loads no model: the config (validate), the workdir (returned,
+  default config.workdir), the mode under several processes, and the mesh's split of
+  the rows (decode.mesh_data). Raises ValueError naming the bad value."""
+  validate(config)
+  workdir = check_workdir(workdir or config.workdir)
+  if jax.process_count() > 1 and config.mode not in MULTI_PROCESS_MODES:
+    raise ValueError(f"mode={config.mode!r}: a job of {jax.process_count()} processes runs "
+                     f"modes {list(MULTI_PROCESS_MODES)} only (head training and "
+                     "distillation run on one host; then evaluate with head.path)")
+  context_lib.decode_mesh(config)
+  return workdir
 
 
 def train(config, workdir: str, target=None, log: Callable = _log) -> str:
@@ -51,9 +90,10 @@ def evaluate_and_report(config, workdir: str, models=None, target=None,
                         log: Callable = _log) -> list[dict]:
   """Evaluation, then summary.json / .csv / .md and pareto.png; prints the table."""
   rows = evaluate_lib.evaluate(config, workdir, models=models, target=target, log=log)
-  paths = report.write_reports(rows, workdir, plot=config.eval.plot)
-  print("\n" + report.markdown_table(rows), flush=True)
-  log("wrote " + ", ".join(sorted(paths.values())))
+  if hosts.is_writer():
+    paths = report.write_reports(rows, workdir, plot=config.eval.plot)
+    print("\n" + report.markdown_table(rows), flush=True)
+    log("wrote " + ", ".join(sorted(paths.values())))
   return rows
 
 
@@ -89,11 +129,12 @@ def bench(config, workdir: str, log: Callable = _log) -> list[dict]:
                  f"{'-' if r['speedup_vs_ar'] is None else format(r['speedup_vs_ar'], '.2f')} "
                  f"| {r['acceptance_rate']:.3f} | {r['tokens_per_round']:.2f} | "
                  f"{r['compile_seconds']:.1f} |")
-  with open(os.path.join(workdir, "bench.json"), "w") as f:
-    json.dump(rows, f, indent=1)
-  with open(os.path.join(workdir, "bench.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
-  print("\n" + "\n".join(lines), flush=True)
+  if hosts.is_writer():
+    with open(os.path.join(workdir, "bench.json"), "w") as f:
+      json.dump(rows, f, indent=1)
+    with open(os.path.join(workdir, "bench.md"), "w") as f:
+      f.write("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines), flush=True)
   return rows
 
 
@@ -106,14 +147,14 @@ def distill(config, log: Callable = _log) -> None:
 
 
 def run(config, workdir: str | None = None, log: Callable = _log):
-  """Validates `config` (before loading anything) and runs config.mode in `workdir`
-  (default config.workdir). Returns the summary rows of eval modes, the head folder of
-  train, the bench rows of bench."""
-  validate(config)
-  workdir = workdir or config.workdir
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json_best_effort(indent=1, sort_keys=True))
+  """Checks `config` and the workdir (`preflight`, before loading anything) and runs
+  config.mode in `workdir` (default config.workdir). Returns the summary rows of eval
+  modes, the head folder of train, the bench rows of bench (on every process)."""
+  workdir = preflight(config, workdir)
+  if hosts.is_writer():
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=1, sort_keys=True))
   log(f"mode {config.mode}, workdir {workdir}")
   if config.mode == "eval":
     return evaluate_and_report(config, workdir, log=log)

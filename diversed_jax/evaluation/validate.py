@@ -156,7 +156,7 @@ def validate(config) -> None:
     _fail("head.path", config.head.path, "no such head folder")
   _check_task(config)
   d = config.decode
-  _check_number("decode.temperature", d.temperature, 0.0)
+  _check_number("decode.temperature", d.temperature)
   if d.temperature < 0:
     _fail("decode.temperature", d.temperature, "must be >= 0 (0 = greedy)")
   _check_number("decode.top_p", d.top_p, 0.0, 1.0, low_open=True)
@@ -169,6 +169,9 @@ def validate(config) -> None:
   if d.matmul_precision not in MATMUL_PRECISIONS:
     _fail("decode.matmul_precision", d.matmul_precision,
           f"must be one of {list(MATMUL_PRECISIONS)}")
+  _check_number("decode.mesh_data", d.mesh_data, integer=True)
+  if d.mesh_data != -1 and d.mesh_data < 1:
+    _fail("decode.mesh_data", d.mesh_data, "must be -1 (all devices) or >= 1")
   _check_methods(config)
   name = config.eval.results_file
   if not name or os.path.basename(name) != name:
@@ -176,8 +179,13 @@ def validate(config) -> None:
   _check_number("eval.score_workers", config.eval.score_workers, 1, integer=True)
   _check_number("bench.num_prompts", config.bench.num_prompts, 1, integer=True)
   _check_number("bench.repeats", config.bench.repeats, 1, integer=True)
-  if config.distill.mode not in ("data", "train", "export"):
-    _fail("distill.mode", config.distill.mode, "must be 'data', 'train' or 'export'")
+  if config.distill.mode == "export":
+    # The export needs the distill config's export_dir, which this config cannot set.
+    _fail("distill.mode", config.distill.mode, "the main job cannot export a draft; run "
+          f"python -m diversed_jax.distill --config={config.distill.config} "
+          "--config.mode=export --config.export_dir=FOLDER")
+  if config.distill.mode not in ("data", "train"):
+    _fail("distill.mode", config.distill.mode, "must be 'data' or 'train'")
   if config.mode == "distill" and not os.path.isfile(config.distill.config):
     _fail("distill.config", config.distill.config, "no such config file")
   _check_number("train.limit", config.train.limit, 0, integer=True)

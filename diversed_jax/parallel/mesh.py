@@ -7,20 +7,15 @@ SPMD partitioner run the same jitted program on any mesh.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+# Re-exported: the multi-host start-up, and host reads of arrays a mesh may spread over
+# several processes (the decoder's results).
+from diversed_jax.parallel.hosts import fetch, initialize_distributed  # noqa: F401
+
 DATA, MODEL = "data", "model"
-
-
-def initialize_distributed() -> None:
-  """Joins a multi-host job when launched as one (TPU pod, or the JAX_COORDINATOR_ADDRESS /
-  JAX_NUM_PROCESSES / JAX_PROCESS_ID variables that launch/ scripts set); no-op otherwise."""
-  if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("TPU_WORKER_HOSTNAMES"):
-    jax.distributed.initialize()
 
 
 def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
@@ -33,6 +28,28 @@ def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
   if data * model != len(devices):
     raise ValueError(f"mesh data={data} x model={model} != {len(devices)} devices")
   return Mesh(np.asarray(devices).reshape(data, model), (DATA, MODEL))
+
+
+def data_mesh(data: int, rows: int, field: str = "decode.mesh_data",
+              rows_field: str = "decode.batch_size") -> Mesh | None:
+  """The mesh that splits `rows` decoded rows over `data` devices (-1: all of them, over
+  every process), or None where that is one device: the caller then runs unsharded,
+  exactly as without a mesh. Raises ValueError naming `field` / `rows_field` when the
+  rows do not divide, or when a multi-process job's mesh would leave a process out."""
+  count = jax.device_count()
+  size = count if data == -1 else data
+  if size > count:
+    raise ValueError(f"{field}={data}: only {count} devices are visible")
+  if size == 1:
+    return None
+  if jax.process_count() > 1 and size != count:
+    raise ValueError(f"{field}={data}: a job of {jax.process_count()} processes splits "
+                     f"rows over all {count} devices (-1) or none (1)")
+  if rows % size:
+    raise ValueError(f"{rows_field}={rows}: the rows of a call are split over the "
+                     f"{size} devices of the mesh ({field}={data}), so it must be a "
+                     f"multiple of {size}; or set {field}=1 to decode on one device")
+  return make_mesh(size, devices=jax.devices()[:size])
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -4,8 +4,9 @@ Draft specs: 'self:L' (the target's first L layers), a model name/folder/GGUF sh
 target's vocabulary, a draft checkpoint folder written by `diversed_jax.distill` (with its
 context-copy gate when the folder has one; 'nocopy:FOLDER' leaves the gate out), or None
 for the target's default draft (the shipped distilled draft when there is one, else
-'self:4'). Head specs: a head checkpoint folder, or None for the shipped default head of
-the pair, else a fixed w = 0.5.
+'self:4'). Head specs: a head checkpoint folder, or None for the pair's shipped head for
+the task (its GSM8K head when no task is named), else a fixed w = 0.5 (`info['head']` is
+then FIXED_HEAD; callers that run 'diversed' should warn, see `fixed_weight_warning`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
 FALLBACK_DRAFT = "self:4"
 NO_COPY = "nocopy:"  # prefix: a distilled draft folder without its context-copy gate
 FALLBACK_WEIGHT = 0.5
+FIXED_HEAD = f"fixed w={FALLBACK_WEIGHT}"  # the head description of that fallback
+# The task whose shipped head serves when none is named (generate without --task): the
+# main job's default task, named here so that the choice does not hang on sort order.
+DEFAULT_HEAD_TASK = "gsm8k"
 
 # Hooks filled by the draft-distillation and head-training packages, so that this module
 # does not import them: name -> callable.
@@ -103,16 +108,35 @@ def _check_tokenizers(draft_spec: str, target_spec: str) -> None:
   tokenizer_lib.check_compatible(draft_tok, target_tok)
 
 
-def load_head(head_spec: str | None, target_name: str, draft_spec: str, task: str | None):
-  """(weight_fn, head params, description) for method 'diversed'."""
+def shipped_head(target_name: str, draft_spec: str, task: str | None) -> str | None:
+  """The shipped head folder of (target, draft) for `task` (None: DEFAULT_HEAD_TASK)."""
   _register_shipped_artifacts()
+  return DEFAULT_HEADS.get((target_name, draft_spec, task or DEFAULT_HEAD_TASK))
+
+
+def shipped_head_tasks(target_name: str, draft_spec: str) -> list[str]:
+  """The tasks that have a shipped head for (target, draft)."""
+  _register_shipped_artifacts()
+  return sorted(k for t, d, k in DEFAULT_HEADS if (t, d) == (target_name, draft_spec))
+
+
+def fixed_weight_warning(target_name: str, draft_spec: str, task: str | None) -> str:
+  """What to tell a user whose 'diversed' runs with FIXED_HEAD: why, and the way out."""
+  tasks = shipped_head_tasks(target_name, draft_spec)
+  return (f"'diversed' has no head for target {target_name!r}, draft {draft_spec!r}, task "
+          f"{task or DEFAULT_HEAD_TASK!r}: it runs with a {FIXED_HEAD} (the static "
+          f"ensemble, not DIVERSED). Give a head folder, or the task of a shipped head "
+          f"({', '.join(tasks) if tasks else 'none ships for this pair'}).")
+
+
+def load_head(head_spec: str | None, target_name: str, draft_spec: str, task: str | None):
+  """(weight_fn, head params, description) for method 'diversed'; without `head_spec`,
+  the shipped head (`shipped_head`), else FIXED_HEAD."""
   if head_spec is None:
-    head_spec = DEFAULT_HEADS.get((target_name, draft_spec, task or ""))
-    if head_spec is None and task is None:
-      head_spec = next((v for (t, d, _), v in sorted(DEFAULT_HEADS.items())
-                        if t == target_name and d == draft_spec), None)
+    head_spec = shipped_head(target_name, draft_spec, task)
   if head_spec is None:
-    return constant_weight_fn(FALLBACK_WEIGHT), {}, f"fixed w={FALLBACK_WEIGHT}"
+    return constant_weight_fn(FALLBACK_WEIGHT), {}, FIXED_HEAD
+  _register_shipped_artifacts()
   if not HEAD_LOADER:
     raise ValueError(f"head {head_spec!r} given but the training package is not available")
   weight_fn, params = HEAD_LOADER[0](head_spec)

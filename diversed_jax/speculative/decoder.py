@@ -188,7 +188,7 @@ class SpeculativeDecoder:
     start = time.perf_counter()
     result = jax.block_until_ready(program(*args))
     seconds = time.perf_counter() - start
-    result = jax.device_get(result)
+    result = mesh_lib.fetch(result)  # jax.device_get, gathering rows held by other hosts
     rounds = int(result.num_rounds)
     stats = jax.tree.map(lambda x: np.asarray(x)[:rounds], result.stats)
     token_ids = [row[:n].tolist() for row, n in zip(result.tokens_qn, result.num_generated_q)]

@@ -163,7 +163,7 @@ def _to_example(task: str, record: dict, fields: Mapping[str, str],
   if task == "gsm8k":
     solution = str(values.pop("reference"))
     # Parsed with the reward's own parser, so reference and prediction agree on format.
-    reference = gsm8k.extract_answer(solution) or solution.strip()
+    reference = gsm8k.reference_answer(solution) or solution.strip()
     meta["solution"] = solution
   elif task == "mbpp":
     tests = values.pop("test_list")

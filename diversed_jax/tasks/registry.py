@@ -1,4 +1,4 @@
-"""One description per task: data, prompt, reward, quality metric, generation length."""
+"""One description per task: data, prompt, reward, quality metric."""
 
 from __future__ import annotations
 
@@ -14,18 +14,14 @@ class Task:
   """Everything the training and evaluation loops need to know about a benchmark.
 
   name: 'gsm8k', 'cnndm', 'xsum', 'mbpp' or 'humaneval'.
-  hub_source: the Hugging Face dataset for full runs (load_examples(name, hub_source)).
   fields: the default canonical -> file field mapping (override per call in load()).
   metric: the quality metric, the mean reward: 'accuracy', 'rouge2' or 'pass@1'.
-  max_new_tokens: default generation budget.
   max_source_words: article truncation in the prompt (summarization), else None.
   eval_split: the split evaluated by default.
   """
   name: str
-  hub_source: str
   fields: Mapping[str, str]
   metric: str
-  max_new_tokens: int
   max_source_words: int | None = None
   eval_split: str = "test"
 
@@ -63,20 +59,17 @@ class Task:
     return sum(values) / max(1, len(values))
 
 
+# Generation budgets and data sources are the configs' (decode.max_new_tokens, task.source).
 _TASKS = {
-    "gsm8k": Task("gsm8k", "openai/gsm8k", datasets.default_fields("gsm8k"),
-                  metric="accuracy", max_new_tokens=256),
+    "gsm8k": Task("gsm8k", datasets.default_fields("gsm8k"), metric="accuracy"),
     # ~400 words keep a CNN/DM or XSum prompt near 600 tokens: most of the lead, which is
     # where the reference summaries come from, at a prefill cost a CPU run can afford.
-    "cnndm": Task("cnndm", "abisee/cnn_dailymail", datasets.default_fields("cnndm"),
-                  metric="rouge2", max_new_tokens=128, max_source_words=400),
-    "xsum": Task("xsum", "EdinburghNLP/xsum", datasets.default_fields("xsum"),
-                 metric="rouge2", max_new_tokens=64, max_source_words=400),
-    "mbpp": Task("mbpp", "google-research-datasets/mbpp", datasets.default_fields("mbpp"),
-                 metric="pass@1", max_new_tokens=256),
-    "humaneval": Task("humaneval", "openai/openai_humaneval",
-                      datasets.default_fields("humaneval"), metric="pass@1",
-                      max_new_tokens=384),
+    "cnndm": Task("cnndm", datasets.default_fields("cnndm"), metric="rouge2",
+                  max_source_words=400),
+    "xsum": Task("xsum", datasets.default_fields("xsum"), metric="rouge2",
+                 max_source_words=400),
+    "mbpp": Task("mbpp", datasets.default_fields("mbpp"), metric="pass@1"),
+    "humaneval": Task("humaneval", datasets.default_fields("humaneval"), metric="pass@1"),
 }
 TASK_NAMES = tuple(_TASKS)
 

@@ -1,0 +1,172 @@
+"""The main job on several devices and processes (fake CPU devices, tiny random models):
+the rows of each call split over a 'data' mesh give the 1-device run's results; two
+processes joined by jax.distributed on localhost run the same job and only process 0
+writes; object-store workdirs and rows that do not divide over the mesh are refused."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from diversed_jax.evaluation import runner, tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# ar and a draft-using ensemble at a temperature > 0: sampled tokens, acceptance, rewards.
+JOB = ["--config=configs/gsm8k.py:tiny", "--config.methods.run=ar,static",
+       "--config.methods.static_weights=(0.5,)", "--config.decode.temperature=0.5",
+       "--config.decode.batch_size=4"]
+FIELDS = ("completion", "num_tokens", "rounds", "accepted", "reward", "num_draft")
+MESH_LINE = "mesh: 4 rows per call split over data=4 devices"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+  # Written here, so that the jobs below find them and touch no device while their
+  # config loads (jax.distributed.initialize must come first).
+  return tiny.write_tiny_models(str(tmp_path_factory.mktemp("tiny") / "models"))
+
+
+def _env(tiny_dir, devices=1, **extra):
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COORDINATOR_ADDRESS"}
+  env.update(JAX_PLATFORMS="cpu", DIVERSED_TINY_DIR=tiny_dir, **extra)
+  if devices > 1:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  else:
+    env.pop("XLA_FLAGS", None)
+  return env
+
+
+def _main(args, env, cwd=ROOT):
+  return subprocess.Popen([sys.executable, "-m", "diversed_jax.main", *args], cwd=cwd,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def _run(args, env, cwd=ROOT, timeout=300):
+  proc = _main(args, env, cwd)
+  out, err = proc.communicate(timeout=timeout)
+  return proc.returncode, out, err
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, "results.jsonl")) as f:
+    return {(r["setting"], r["example_id"]): r for r in map(json.loads, f)}
+
+
+def _assert_same_results(got, want):
+  assert got.keys() == want.keys() and len(want) == 2 * 4
+  for key, record in want.items():
+    for field in FIELDS:
+      assert got[key][field] == record[field], (key, field)
+    assert got[key]["theory"] == pytest.approx(record["theory"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_device(tiny_dir, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("one") / "run")
+  code, out, err = _run([*JOB, f"--workdir={workdir}"], _env(tiny_dir))
+  assert code == 0, err[-3000:]
+  assert "mesh:" not in out  # one device: no mesh, nothing changes
+  return _records(workdir)
+
+
+def test_four_devices_split_the_rows_and_match_one_device(tiny_dir, one_device, tmp_path):
+  workdir = str(tmp_path / "run")
+  code, out, err = _run([*JOB, f"--workdir={workdir}"], _env(tiny_dir, devices=4))
+  assert code == 0, err[-3000:]
+  assert MESH_LINE + " (1 process)" in out
+  _assert_same_results(_records(workdir), one_device)
+  assert "| static(w=0.5) |" in out
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _two_processes(tiny_dir, workdirs):
+  port = _free_port()
+  procs = [_main([*JOB, f"--workdir={workdirs[i]}"],
+                 _env(tiny_dir, devices=2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+           for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  return [out for out, _ in outs]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tiny_dir, tmp_path_factory):
+  """Each process has 2 devices: the mesh spans 4 over both, each holds 2 rows, and the
+  decoder's results are all-gathered. Process 1 gets its own workdir (it must stay
+  absent). Returns (workdirs, the processes' stdout)."""
+  root = tmp_path_factory.mktemp("two")
+  workdirs = [str(root / "p0"), str(root / "p1")]
+  return workdirs, _two_processes(tiny_dir, workdirs)
+
+
+def test_two_processes_run_the_same_job_and_only_process_0_writes(one_device,
+                                                                  two_processes):
+  workdirs, outs = two_processes
+  for out in outs:
+    assert MESH_LINE + " (2 processes)" in out
+  assert "| static(w=0.5) |" in outs[0] and "| static(w=0.5) |" not in outs[1]
+  assert not os.path.exists(workdirs[1])
+  _assert_same_results(_records(workdirs[0]), one_device)
+  assert {"config.json", "summary.json", "summary.md", "pareto.png"} <= set(
+      os.listdir(workdirs[0]))
+
+
+def test_two_processes_resume_alike(tiny_dir, two_processes):
+  """A second run finds everything done: process 1, whose workdir is empty, learns it
+  from process 0's file (broadcast), so neither decodes and both finish."""
+  workdirs, _ = two_processes
+  outs = _two_processes(tiny_dir, workdirs)
+  for out in outs:
+    assert "batch 1/1" not in out and "[2/2] static(w=0.5)" in out
+  assert "| static(w=0.5) |" in outs[0]
+  assert len(_records(workdirs[0])) == 2 * 4 and not os.path.exists(workdirs[1])
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/run", "s3://bucket/run", "file:///tmp/run"])
+def test_object_store_workdirs_are_refused(url):
+  with pytest.raises(ValueError, match="object-store URLs are not supported.*gcsfuse"):
+    runner.check_workdir(url)
+  assert runner.check_workdir("runs/gs_like:name") == "runs/gs_like:name"
+
+
+def test_main_refuses_a_gs_workdir_before_loading_anything(tiny_dir, tmp_path):
+  args = [f"--config={ROOT}/configs/gsm8k.py:tiny", "--workdir=gs://bucket/run"]
+  env = _env(tiny_dir, PYTHONPATH=ROOT)
+  code, out, err = _run(args, env, cwd=str(tmp_path), timeout=120)
+  assert code != 0
+  assert "workdir='gs://bucket/run': object-store URLs are not supported" in err
+  assert "Traceback" not in err and "loading target" not in out
+  assert os.listdir(tmp_path) == []  # no local ./gs: folder
+
+
+def test_rows_that_do_not_divide_over_the_mesh_are_refused(tiny_dir, tmp_path):
+  args = [*JOB, "--config.decode.batch_size=3", f"--workdir={tmp_path / 'run'}"]
+  code, out, err = _run(args, _env(tiny_dir, devices=4), timeout=120)
+  assert code != 0 and "Traceback" not in err
+  assert "decode.batch_size=3: the rows of a call are split over the 4 devices" in err
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_mesh_data_is_validated(tiny_dir, monkeypatch):
+  from diversed_jax.evaluation import config_io, validate
+  monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
+  config = config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py:tiny"),
+                                 {"decode.mesh_data": 0})
+  with pytest.raises(ValueError, match=r"decode.mesh_data=0: must be -1"):
+    validate.validate(config)
