@@ -6,6 +6,10 @@ checkpoint's count n of shards plus the trainer's record of which paths they wer
 (`Trainer`, shards_in_use.txt) give a resumed run exactly the same windows: those of step
 s depend only on (seed, s, n), never on earlier draws. Sequences whose prompt is a
 held-out shard's are never in the pool, whichever folder or shard index they come from.
+The held-out shards are read at each `use`: one written after training started counts
+from the next rescan in a live run but from the start in a resumed one, so only then can
+the two draw different windows (the data job writes shards in index order, and the
+default held-out ones, `train.eval_shards`, are 0 and 1).
 
 Shape legend: B windows, W window length, K top-k, D target width, V vocabulary.
 """

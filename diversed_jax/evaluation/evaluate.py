@@ -51,7 +51,9 @@ def setting_fingerprint(config, setting, models) -> str:
   digests = (folder_digest(draft), folder_digest(head))
   task = config.task
   # A lower precision changes results off the CPU; "highest" adds nothing, so that records
-  # written before the field existed still count.
+  # written before the field existed still count. The call layout is always in: records
+  # written before session 46 shared their seconds and averaged w differently, so they
+  # are decoded again once rather than mixed with new ones.
   precision = (() if config.decode.matmul_precision == "highest"
                else (config.decode.matmul_precision,))
   return fingerprint(setting.name, dataclasses.asdict(setting.verify), draft, head, digests,
