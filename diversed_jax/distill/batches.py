@@ -75,7 +75,7 @@ class ShardPool:
     self.num_dropped = 0  # training sequences left out for a held-out prompt
     self.in_use: list[str] = []  # paths in the order they entered the pool
     self._paths: list[str] = []
-    self._by_path: dict[str, list[Sequence]] = {}
+    self._by_path: dict[str, list[tuple[Sequence, str]]] = {}  # with prompt digests
     self._held_out_digests: dict[str, set[str]] = {}
 
   def available(self) -> int:
@@ -104,7 +104,8 @@ class ShardPool:
       if len(self.in_use) >= num_shards:
         break
       if path not in self._by_path:
-        self._by_path[path] = load_sequences(path)
+        self._by_path[path] = [(s, prompt_digest(s.tokens, s.prompt_length))
+                               for s in load_sequences(path)]
         self.in_use.append(path)
     self.num_shards = len(self.in_use)
     self._rebuild()
@@ -114,8 +115,8 @@ class ShardPool:
     held_out = self._read_held_out_digests()
     self.sequences, self.num_dropped = [], 0
     for path in sorted(self.in_use, key=_path_order):
-      for s in self._by_path[path]:
-        if prompt_digest(s.tokens, s.prompt_length) in held_out:
+      for s, digest in self._by_path[path]:
+        if digest in held_out:
           self.num_dropped += 1
         else:
           self.sequences.append(s)

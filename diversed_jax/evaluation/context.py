@@ -143,8 +143,8 @@ def load_models(config, settings, workdir: str | None = None, target=None,
   head_folder = resolve_head(config, workdir)
   decoders, info = {}, {"target": target.name}
   options = dict(shrink_tail=config.decode.shrink_tail,
-                 matmul_precision=config.decode.matmul_precision)
-  mesh = decode_mesh(config, log)
+                 matmul_precision=config.decode.matmul_precision,
+                 mesh=decode_mesh(config, log))
   if drafts_needed - {"finetuned"} or not drafts_needed:
     decoder, built = build.build_decoder(
         target, config.model.draft or None, None, head_task,
@@ -158,8 +158,6 @@ def load_models(config, settings, workdir: str | None = None, target=None,
     info["finetuned_draft"] = built["draft"]
   if "default" not in decoders:
     decoders["default"] = decoders["finetuned"]
-  for decoder in decoders.values():
-    decoder.mesh = mesh  # build_decoder takes no mesh; set before anything compiles
   models = Models(target, tokenizer, decoders, info)
   if head_folder and "diversed" in families:
     models.attach_head(head_folder)

@@ -11,10 +11,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# Re-exported: the multi-host start-up, and host reads of arrays a mesh may spread over
-# several processes (the decoder's results).
-from diversed_jax.parallel.hosts import fetch, initialize_distributed  # noqa: F401
-
 DATA, MODEL = "data", "model"
 
 

@@ -161,12 +161,13 @@ def model_handle(target: loading.LoadedModel) -> ModelHandle:
 def build_decoder(target: loading.LoadedModel, draft_spec: str | None = None,
                   head_spec: str | None = None, task: str | None = None,
                   need_draft: bool = True, shrink_tail: bool = False,
-                  matmul_precision: str = "highest") -> tuple[SpeculativeDecoder, dict]:
+                  matmul_precision: str = "highest", mesh=None
+                  ) -> tuple[SpeculativeDecoder, dict]:
   """A decoder for `target` and a dict describing what was resolved (`shrink_tail`,
-  `matmul_precision`: see `SpeculativeDecoder`)."""
+  `matmul_precision`, `mesh`: see `SpeculativeDecoder`)."""
   info = {"target": target.name}
   handle = model_handle(target)
-  options = dict(shrink_tail=shrink_tail, matmul_precision=matmul_precision)
+  options = dict(shrink_tail=shrink_tail, matmul_precision=matmul_precision, mesh=mesh)
   if not need_draft:
     return SpeculativeDecoder(handle, **options), info
   draft, draft_params, resolved = load_draft(draft_spec, target)

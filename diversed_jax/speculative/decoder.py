@@ -19,6 +19,7 @@ import numpy as np
 from diversed_jax.models import transformer
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
+from diversed_jax.parallel import hosts
 from diversed_jax.parallel import mesh as mesh_lib
 from diversed_jax.speculative import loop, metrics, programs
 from diversed_jax.speculative.types import VerifyParams
@@ -188,7 +189,7 @@ class SpeculativeDecoder:
     start = time.perf_counter()
     result = jax.block_until_ready(program(*args))
     seconds = time.perf_counter() - start
-    result = mesh_lib.fetch(result)  # jax.device_get, gathering rows held by other hosts
+    result = hosts.fetch(result)  # jax.device_get, gathering rows held by other hosts
     rounds = int(result.num_rounds)
     stats = jax.tree.map(lambda x: np.asarray(x)[:rounds], result.stats)
     token_ids = [row[:n].tolist() for row, n in zip(result.tokens_qn, result.num_generated_q)]
