@@ -1,14 +1,17 @@
 """The main job on several devices and processes (fake CPU devices, tiny random models):
-the rows of each call split over a 'data' mesh give the 1-device run's results; two
-processes joined by jax.distributed on localhost run the same job and only process 0
-writes; object-store workdirs and rows that do not divide over the mesh are refused."""
+the rows of each call (or head-training step) split over a 'data' mesh give the 1-device
+run's results (or head); two processes joined by jax.distributed on localhost run the same
+job, only process 0 writes, and both resume alike; object-store workdirs and rows that do
+not divide over the mesh are refused."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from diversed_jax.evaluation import runner, tiny
@@ -170,3 +173,148 @@ def test_mesh_data_is_validated(tiny_dir, monkeypatch):
                                  {"decode.mesh_data": 0})
   with pytest.raises(ValueError, match=r"decode.mesh_data=0: must be -1"):
     validate.validate(config)
+
+
+# ------------------------------------------------------------------ head training
+
+# 4 steps of 2 prompts x 2 rollouts (4 rows a step), a checkpoint every 2; decode's batch
+# (the tiny config's 2) is not used by mode train, so it need not divide over the mesh.
+TRAIN_JOB = ["--config=configs/gsm8k.py:tiny", "--config.mode=train",
+             "--config.train.total_steps=4", "--config.train.checkpoint_every=2"]
+TIMING = ("tokens_per_s", "rollout_seconds", "step_seconds", "compile_seconds")
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "train", "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+def _head_params(workdir):
+  with np.load(os.path.join(workdir, "train", "head", "params.npz")) as f:
+    return {k: f[k] for k in f.files}
+
+
+def _assert_same_training(workdir, want_metrics, want_params):
+  got = _metrics(workdir)
+  assert [m["step"] for m in got] == [1, 2, 3, 4]
+  for g, w in zip(got, want_metrics):
+    assert g == pytest.approx(w, rel=1e-4, abs=1e-6)
+  params = _head_params(workdir)
+  assert params.keys() == want_params.keys()
+  for k, v in want_params.items():
+    np.testing.assert_allclose(params[k], v, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def one_device_head(tiny_dir, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("train_one") / "run")
+  code, out, err = _run([*TRAIN_JOB, f"--workdir={workdir}"], _env(tiny_dir))
+  assert code == 0, err[-3000:]
+  assert "mesh:" not in out
+  metrics = _metrics(workdir)
+  assert len({m["w_mean"] for m in metrics}) > 1  # the head moved: the updates are compared
+  return metrics, _head_params(workdir)
+
+
+def test_four_devices_train_the_one_device_head(tiny_dir, one_device_head, tmp_path):
+  workdir = str(tmp_path / "run")
+  code, out, err = _run([*TRAIN_JOB, f"--workdir={workdir}"], _env(tiny_dir, devices=4))
+  assert code == 0, err[-3000:]
+  assert "mesh: 4 rows a step split over data=4 devices (1 process)" in out
+  _assert_same_training(workdir, *one_device_head)
+
+
+def _two_process_training(tiny_dir, workdirs):
+  port = _free_port()
+  procs = [_main([*TRAIN_JOB, f"--workdir={workdirs[i]}"],
+                 _env(tiny_dir, devices=2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+           for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  return [out for out, _ in outs]
+
+
+def test_two_processes_train_the_one_device_head_and_resume_from_process_0(
+    tiny_dir, one_device_head, tmp_path):
+  """Process 0 alone keeps the checkpoints and writes; after losing the last checkpoint
+  both processes resume from process 0's step-2 state and train steps 3-4 alike."""
+  workdirs = [str(tmp_path / "p0"), str(tmp_path / "p1")]
+  outs = _two_process_training(tiny_dir, workdirs)
+  for out in outs:
+    assert "mesh: 4 rows a step split over data=4 devices (2 processes)" in out
+    assert "step 4/4" in out
+  assert "head written to" in outs[0] and "head written to" not in outs[1]
+  assert not os.path.exists(workdirs[1])
+  _assert_same_training(workdirs[0], *one_device_head)
+
+  train_dir = os.path.join(workdirs[0], "train")
+  shutil.rmtree(os.path.join(train_dir, "checkpoints", "4"))
+  shutil.rmtree(os.path.join(train_dir, "head"))
+  with open(os.path.join(train_dir, "metrics.jsonl")) as f:
+    first_two = f.readlines()[:2]
+  with open(os.path.join(train_dir, "metrics.jsonl"), "w") as f:
+    f.writelines(first_two)
+  outs = _two_process_training(tiny_dir, workdirs)
+  assert "resumed from" in outs[0] and "at step 2 (data position 4)" in outs[0]
+  for out in outs:
+    assert "step 1/4" not in out and "step 4/4" in out
+  assert not os.path.exists(workdirs[1])
+  _assert_same_training(workdirs[0], *one_device_head)
+
+
+def test_training_rows_that_do_not_divide_over_the_mesh_are_refused(tiny_dir, tmp_path):
+  args = [*TRAIN_JOB, "--config.train.prompts_per_step=3", f"--workdir={tmp_path / 'run'}"]
+  code, out, err = _run(args, _env(tiny_dir, devices=4), timeout=120)
+  assert code != 0 and "Traceback" not in err
+  assert ("train.prompts_per_step * train.rollouts_per_prompt=6: the rows of a call are "
+          "split over the 4 devices of the mesh (train.mesh_data=-1)") in err
+  assert not os.path.exists(tmp_path / "run")
+
+
+
+_TOY_RUN = ("import sys\n"
+            "from diversed_jax.parallel import hosts\n"
+            "assert hosts.initialize_distributed()\n"
+            "from diversed_jax.training import toy\n"
+            "toy.run(sys.argv[1], progress=None, total_steps=3, checkpoint_every=3)\n")
+
+
+def _toy_metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+def test_two_processes_update_with_process_0s_rewards(tmp_path):
+  """The toy task's rewards vary (the tiny job's are all 0): a process that updated with
+  other rewards than process 0's would move the head away from the one-device run's."""
+  from diversed_jax.training import toy
+  toy.run(str(tmp_path / "one"), progress=None, total_steps=3, checkpoint_every=3)
+  want = _toy_metrics(str(tmp_path / "one"))
+  assert len({m["reward"] for m in want}) > 1 and any(m["policy_loss"] for m in want)
+  port = _free_port()
+  env = _env("", devices=2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+             JAX_NUM_PROCESSES="2")
+  procs = [subprocess.Popen([sys.executable, "-c", _TOY_RUN, str(tmp_path / f"p{i}")],
+                            env=dict(env, JAX_PROCESS_ID=str(i)), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=300) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  got = _toy_metrics(str(tmp_path / "p0"))
+  assert len(got) == len(want) == 3
+  for g, w in zip(got, want):
+    assert g == pytest.approx(w, rel=1e-4, abs=1e-6)
+  assert not os.path.exists(tmp_path / "p1")

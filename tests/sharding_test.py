@@ -1,4 +1,5 @@
-"""The speculative loop runs unchanged on a data-parallel mesh (4 fake CPU devices)."""
+"""The speculative loop and the head's teacher-forced pass run unchanged on a data-parallel
+mesh (4 fake CPU devices)."""
 
 import os
 import subprocess
@@ -27,6 +28,20 @@ _SCRIPT = textwrap.dedent("""
                                num_draft=3, max_new_tokens=10, seed=5, eos_token_ids=(),
                                batch_size=batch_size))
       assert outs[0].token_ids == outs[1].token_ids, (outs[0].token_ids, outs[1].token_ids)
+    # The head's teacher-forced pass: rows split over the 4 devices (a chunk of 3 rows is
+    # rounded up to 4), the values those of one device.
+    import numpy as np
+    from diversed_jax.training import teacher_forced as tf_lib
+    gens = [[5, 6], [7], [1, 2, 3, 4], [8, 8], [2], [3, 4, 5], [6, 6, 6], [9]]
+    batches = []
+    for placement in (mesh_lib.Placement(), mesh_lib.Placement(mesh_lib.make_mesh())):
+      batches.append(tf_lib.teacher_forced_batch(
+          cfg, placement.params(tp), drafts.LMDraft(dcfg), placement.params(dp), prompts,
+          gens, temperature=1.0, num_new=4, chunk_rows=3, placement=placement))
+    for k, v in batches[0].items():
+      assert len(batches[1][k].sharding.device_set) == 4, (k, batches[1][k].sharding)
+      np.testing.assert_allclose(np.asarray(batches[1][k]), np.asarray(v), rtol=1e-4,
+                                 atol=1e-5)
     print("OK", mesh_lib.make_mesh().shape)
 """)
 

@@ -52,12 +52,20 @@ def test_default_config_validates_and_freezes():
     ("advantage", "ppo"), ("warmup_steps", 40), ("rollouts_per_prompt", 1),
     ("num_draft", 0), ("clip_eps", 1.5), ("checkpoint_every", 0), ("lam", float("nan")),
     ("lam", float("inf")), ("weight_decay", float("nan")), ("grad_clip", float("nan")),
-    ("learning_rate", float("inf")), ("seed", -1)])
+    ("learning_rate", float("inf")), ("seed", -1), ("mesh_data", 0), ("mesh_data", -2)])
 def test_validate_names_the_bad_field(field, value):
   cfg = config_lib.default_config()
   cfg[field] = value
   with pytest.raises(ValueError, match=f"train.{field}={value!r}"):
     config_lib.validate(cfg)
+
+
+def test_the_mesh_of_one_device_is_none_and_more_devices_than_visible_are_refused():
+  cfg = config_lib.default_config()
+  assert config_lib.HParams.from_config(cfg).mesh() is None  # the test process: 1 device
+  cfg.mesh_data = 2
+  with pytest.raises(ValueError, match=r"train.mesh_data=2: only 1 devices are visible"):
+    config_lib.HParams.from_config(cfg).mesh()
 
 
 def test_example_order_is_a_permutation_per_epoch():

@@ -7,9 +7,10 @@
   bench           time every setting on a few prompts (no scoring), write bench.json / .md
 
 Several devices: each decoding call's rows are split over a 'data' mesh of them
-(decode.mesh_data, context.decode_mesh). Several processes (a multi-host job, see
-parallel/hosts.py): modes eval and bench; every process runs the same computations and
-only process 0 writes the workdir's files and prints the tables.
+(decode.mesh_data, context.decode_mesh), and so are each head-training step's
+(train.mesh_data). Several processes (a multi-host job, see parallel/hosts.py): every mode
+but distill; every process runs the same computations and only process 0 writes the
+workdir's files and prints the tables.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from diversed_jax.evaluation import report
 from diversed_jax.evaluation.validate import validate
 from diversed_jax.parallel import hosts
 
-MULTI_PROCESS_MODES = ("eval", "bench")
+MULTI_PROCESS_MODES = ("eval", "bench", "train", "train_and_eval")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -51,15 +52,19 @@ def check_workdir(workdir: str) -> str:
 
 def preflight(config, workdir: str | None = None) -> str:
   """Every check that loads no model: the config (validate), the workdir (returned,
-  default config.workdir), the mode under several processes, and the mesh's split of
-  the rows (decode.mesh_data). Raises ValueError naming the bad value."""
+  default config.workdir), the mode under several processes, and the meshes' split of
+  the rows (decode.mesh_data, train.mesh_data). Raises ValueError naming the bad value."""
   validate(config)
   workdir = check_workdir(workdir or config.workdir)
   if jax.process_count() > 1 and config.mode not in MULTI_PROCESS_MODES:
     raise ValueError(f"mode={config.mode!r}: a job of {jax.process_count()} processes runs "
-                     f"modes {list(MULTI_PROCESS_MODES)} only (head training and "
-                     "distillation run on one host; then evaluate with head.path)")
-  context_lib.decode_mesh(config)
+                     f"modes {list(MULTI_PROCESS_MODES)} only (distillation runs on one "
+                     "host)")
+  if config.mode in ("eval", "bench", "train_and_eval"):
+    context_lib.decode_mesh(config)
+  if config.mode in ("train", "train_and_eval"):
+    from diversed_jax.training.config import HParams
+    HParams.from_config(config.train).mesh()
   return workdir
 
 
@@ -166,7 +171,8 @@ def run(config, workdir: str | None = None, log: Callable = _log):
   log(f"loading target {config.model.target}")
   target = loading.load_model(config.model.target)
   head = train(config, workdir, target=target, log=log)
-  log(f"head written to {head}")
+  if hosts.is_writer():
+    log(f"head written to {head}")
   if config.mode == "train":
     return head
   return evaluate_and_report(config, workdir, target=target, log=log)

@@ -48,13 +48,19 @@ def is_writer() -> bool:
 
 def fetch(tree):
   """`jax.device_get(tree)`, also for arrays that span other processes' devices (a batch
-  split over a multi-host mesh): those are all-gathered, so every process gets the whole
-  value. Single-process trees take jax.device_get unchanged."""
-  leaves = jax.tree.leaves(tree)
-  if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
+  split over a multi-host mesh, replicated parameters): those are all-gathered, so every
+  process gets the whole value; this process's own arrays are read as they are.
+  Single-process trees take jax.device_get unchanged."""
+  def spans_processes(x):
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+  leaves, treedef = jax.tree.flatten(tree)
+  if not any(map(spans_processes, leaves)):
     return jax.device_get(tree)
   from jax.experimental import multihost_utils
-  return multihost_utils.process_allgather(tree, tiled=True)
+  return treedef.unflatten([
+      np.asarray(multihost_utils.process_allgather(x, tiled=True)) if spans_processes(x)
+      else jax.device_get(x) for x in leaves])
 
 
 def broadcast_bytes(data: bytes | None) -> bytes:
@@ -70,3 +76,14 @@ def broadcast_bytes(data: bytes | None) -> bytes:
     padded[:size] = mine
   out = multihost_utils.broadcast_one_to_all(padded)
   return np.asarray(out, np.uint8)[:size].tobytes()
+
+
+def broadcast(tree):
+  """Process 0's pytree of arrays (host values) on every process; a collective (every
+  process passes a tree of the same structure, shapes and dtypes). One process: `tree`."""
+  if jax.process_count() == 1:
+    return tree
+  from jax.experimental import multihost_utils
+  # Host values on every process, so that each compiles the same collective.
+  tree = jax.tree.map(np.asarray, tree)
+  return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))

@@ -7,6 +7,8 @@ SPMD partitioner run the same jitted program on any mesh.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -44,7 +46,7 @@ def data_mesh(data: int, rows: int, field: str = "decode.mesh_data",
   if rows % size:
     raise ValueError(f"{rows_field}={rows}: the rows of a call are split over the "
                      f"{size} devices of the mesh ({field}={data}), so it must be a "
-                     f"multiple of {size}; or set {field}=1 to decode on one device")
+                     f"multiple of {size}; or set {field}=1 to run on one device")
   return make_mesh(size, devices=jax.devices()[:size])
 
 
@@ -59,3 +61,22 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 
 def place(tree, sharding):
   return jax.device_put(tree, sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where a data-parallel program's inputs go: parameters replicated over the mesh, rows
+  split over its 'data' axis; jit then runs the program SPMD and all-reduces what sums
+  over rows (losses, gradients). mesh None (one device): inputs stay as given."""
+  mesh: Mesh | None = None
+
+  @property
+  def size(self) -> int:
+    """Devices the rows are split over (1 without a mesh)."""
+    return 1 if self.mesh is None else self.mesh.shape[DATA]
+
+  def params(self, tree):
+    return tree if self.mesh is None else place(tree, replicated(self.mesh))
+
+  def rows(self, tree):
+    return tree if self.mesh is None else place(tree, batch_sharded(self.mesh))

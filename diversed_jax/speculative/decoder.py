@@ -130,6 +130,13 @@ class SpeculativeDecoder:
     """The target's parameters in the decoding layout (see `unstack`)."""
     return self.target.decoding_params if self.unstack else self.target.params
 
+  @functools.cached_property
+  def _replicated_models(self):
+    """(target, draft) parameters replicated over the mesh, copied to its devices once
+    rather than at every call."""
+    return mesh_lib.place((self.target_params(), self.draft_params),
+                          mesh_lib.replicated(self.mesh))
+
   def _spec(self, verify: VerifyParams, num_draft: int, max_new_tokens: int,
             eos_token_ids) -> loop.LoopSpec:
     if verify.method != "ar" and self.draft is None:
@@ -169,7 +176,9 @@ class SpeculativeDecoder:
       # A queue is read one prompt at a time by every device: replicate it.
       rows = (mesh_lib.batch_sharded(self.mesh) if batch_size is None
               else mesh_lib.replicated(self.mesh))
-      args = (*mesh_lib.place(args[:3], mesh_lib.replicated(self.mesh)),
+      target_params, draft_params = self._replicated_models
+      args = (target_params, draft_params if uses_draft else None,
+              mesh_lib.place(args[2], mesh_lib.replicated(self.mesh)),
               *mesh_lib.place(args[3:5], rows), args[5])
     kwargs = dict(spec=spec, target_config=self.target.config,
                   draft=self.draft if uses_draft else None,

@@ -37,9 +37,9 @@ def check_flags():
   usage error naming the flag (or `--train.<field>`) and the value, before anything loads."""
   from diversed_jax import cli
   from diversed_jax.tasks.registry import get_task
-  from diversed_jax.training.config import validate
+  from diversed_jax.training.config import HParams
   with cli.usage_errors("--"):  # "train.lam=-1.0: ..." names the flag --train.lam
-    validate(flags.FLAGS.train)
+    HParams.from_config(flags.FLAGS.train).mesh()  # validates, and the rows divide
   with cli.usage_errors("--task: "):
     task = get_task(_TASK.value)
   for flag, low in ((_LIMIT, 1), (_SHOTS, 0), (_MAX_WORDS, 1)):
@@ -54,6 +54,10 @@ def check_flags():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from diversed_jax import cli
+  from diversed_jax.parallel import hosts
+  with cli.usage_errors():
+    hosts.initialize_distributed()  # first: before anything touches a device
   task = check_flags()
   from diversed_jax.models import loading
   from diversed_jax.speculative import build
@@ -76,7 +80,7 @@ def main(argv):
                       examples=examples, workdir=_WORKDIR.value, draft_spec=draft_spec,
                       progress=lambda line: print(line, flush=True))
   print(f"head: {folder}", flush=True)
-  if _SHIP_AS.value:
+  if _SHIP_AS.value and hosts.is_writer():
     dest = os.path.join(artifacts.ASSETS, _SHIP_AS.value)
     os.makedirs(dest, exist_ok=True)
     for name in ("head.json", "params.npz"):

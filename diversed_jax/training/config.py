@@ -42,7 +42,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.max_new_tokens = 32  # generated tokens per rollout
   c.num_draft = 4  # K drafts per speculative round
   c.max_prompt_tokens = 1024  # prompts longer than this are skipped
-  c.teacher_forced_rows = 8  # rows per chunk of the teacher-forced pass (memory)
+  c.teacher_forced_rows = 8  # rows per teacher-forced chunk (memory; a mesh rounds it up)
+  # Devices: each step's rows (rollouts, teacher-forced pass, updates) are split over a
+  # 'data' mesh of mesh_data devices (-1: all, over every process; 1: one device).
+  c.mesh_data = -1
   # Bookkeeping.
   c.checkpoint_every = 10  # steps between orbax checkpoints (and at the end)
   c.keep_checkpoints = 2  # checkpoints kept
@@ -74,6 +77,7 @@ class HParams:
   num_draft: int
   max_prompt_tokens: int
   teacher_forced_rows: int
+  mesh_data: int
   checkpoint_every: int
   keep_checkpoints: int
   log_every: int
@@ -87,6 +91,14 @@ class HParams:
   @property
   def batch_rows(self) -> int:
     return self.prompts_per_step * self.rollouts_per_prompt
+
+  def mesh(self):
+    """The 'data' mesh of the step's rows (`mesh_data`), or None on one device; ValueError
+    naming the field when the rows do not divide over it."""
+    from diversed_jax.parallel import mesh as mesh_lib
+    return mesh_lib.data_mesh(
+        self.mesh_data, self.batch_rows, field="train.mesh_data",
+        rows_field="train.prompts_per_step * train.rollouts_per_prompt")
 
 
 def _fail(field, value, why):
@@ -117,6 +129,8 @@ def validate(cfg) -> None:
     _fail("weight_decay", cfg.weight_decay, "must be finite and >= 0")
   if not math.isfinite(cfg.grad_clip):
     _fail("grad_clip", cfg.grad_clip, "must be finite (<= 0 turns clipping off)")
+  if int(cfg.mesh_data) != cfg.mesh_data or not (cfg.mesh_data == -1 or cfg.mesh_data >= 1):
+    _fail("mesh_data", cfg.mesh_data, "must be -1 (all devices) or a positive integer")
   if int(cfg.seed) != cfg.seed or cfg.seed < 0:
     _fail("seed", cfg.seed, "must be an integer >= 0")
   positive = ("head_hidden_dim", "ppo_epochs", "total_steps", "prompts_per_step",

@@ -60,9 +60,10 @@ class RolloutSampler:
 
   def __init__(self, target_config, target_params, draft, draft_params, weight_fn, *,
                temperature: float, num_draft: int, max_new_tokens: int,
-               eos_token_ids: Sequence[int] | None = None, pad_id: int = 0):
+               eos_token_ids: Sequence[int] | None = None, pad_id: int = 0, mesh=None):
+    """`mesh`: split the rows over its 'data' axis (see SpeculativeDecoder)."""
     self.decoder = SpeculativeDecoder(ModelHandle(target_config, target_params), draft,
-                                      draft_params, weight_fn, None)
+                                      draft_params, weight_fn, None, mesh=mesh)
     self.verify = VerifyParams(method="diversed", temperature=float(temperature))
     self.num_draft = num_draft
     self.max_new_tokens = max_new_tokens

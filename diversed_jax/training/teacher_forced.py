@@ -29,6 +29,7 @@ import numpy as np
 from diversed_jax.models import transformer
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
+from diversed_jax.parallel.mesh import Placement
 from diversed_jax.speculative import distributions
 from diversed_jax.speculative.decoder import PROMPT_BUCKETS
 
@@ -110,18 +111,22 @@ def pack(prompts: Sequence[Sequence[int]], generated: Sequence[Sequence[int]], n
 def teacher_forced_batch(target_config: ModelConfig, target_params, draft, draft_params,
                          prompts: Sequence[Sequence[int]],
                          generated: Sequence[Sequence[int]], *, temperature: float,
-                         num_new: int, chunk_rows: int = 8, pad_id: int = 0) -> dict:
+                         num_new: int, chunk_rows: int = 8, pad_id: int = 0,
+                         placement: Placement = Placement()) -> dict:
   """`teacher_forced` over all rows in chunks of chunk_rows (bounds the [rows, L, V] draft
-  logits); returns the diversed_loss batch dict with [B, N] / [B, N, D] device arrays."""
+  logits); returns the diversed_loss batch dict with [B, N] / [B, N, D] device arrays.
+
+  `placement`: each chunk's rows are split over its mesh (a chunk is then rounded up to a
+  multiple of the mesh's size); the parameters should already be placed replicated."""
   b = len(prompts)
-  chunk = min(chunk_rows, b)
+  chunk = -(-min(chunk_rows, b) // placement.size) * placement.size
   rows = -(-b // chunk) * chunk
   tokens, plen, glen = pack(prompts, generated, num_new, pad_id, rows)
   parts = []
   for start in range(0, rows, chunk):
     sl = slice(start, start + chunk)
     parts.append(teacher_forced(
-        target_params, draft_params, jnp.asarray(tokens[sl]), jnp.asarray(plen[sl]),
-        jnp.asarray(glen[sl]), target_config=target_config, draft=draft,
+        target_params, draft_params, *placement.rows((tokens[sl], plen[sl], glen[sl])),
+        target_config=target_config, draft=draft,
         temperature=float(temperature), num_new=num_new).as_batch())
   return {k: jnp.concatenate([p[k] for p in parts], 0)[:b] for k in parts[0]}

@@ -12,6 +12,13 @@ Metrics go to `progress` (stdout by default), TensorBoard (workdir/tb) and
 workdir/metrics.jsonl; orbax checkpoints go to workdir/checkpoints and a restart resumes from
 the latest one with the same subsequent metrics; the trained head is written to
 workdir/head (see head_io).
+
+Several devices (train.mesh_data): each step's rows are split over a 'data' mesh, the head
+and both models replicated; rollouts, the teacher-forced pass and the updates run SPMD and
+the loss and gradients are all-reduced by jit, so the run matches a one-device run. Several
+processes (parallel/hosts.py): each runs the same steps; process 0 alone scores the
+rollouts (its rewards are broadcast), keeps the checkpoints (its restored state is
+broadcast) and writes the workdir.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from diversed_jax.digest import folder_digest
+from diversed_jax.parallel import hosts
+from diversed_jax.parallel import mesh as mesh_lib
 from diversed_jax.rl.head import EnsembleHead, init_head
 from diversed_jax.rl.losses import get_advantage_fn, log_nu
 from diversed_jax.rl.optim import make_optimizer, make_train_step
@@ -105,20 +114,24 @@ def _scalar(x) -> float:
 
 
 class _Logger:
-  """stdout progress, TensorBoard scalars and a JSON-lines file, once per log interval."""
+  """stdout progress, TensorBoard scalars and a JSON-lines file, once per log interval;
+  `files=False` (a multi-host job's other processes): progress only."""
 
-  def __init__(self, workdir: str, progress: Callable[[str], Any] | None):
-    from tensorboardX import SummaryWriter
-    self.writer = SummaryWriter(os.path.join(workdir, "tb"))
-    self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+  def __init__(self, workdir: str, progress: Callable[[str], Any] | None, files: bool = True):
+    self.writer = self.jsonl = None
+    if files:
+      from tensorboardX import SummaryWriter
+      self.writer = SummaryWriter(os.path.join(workdir, "tb"))
+      self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
     self.progress = progress or (lambda line: None)
 
   def log(self, step: int, total: int, m: dict) -> None:
-    for k, v in m.items():
-      self.writer.add_scalar(f"train/{k}", v, step)
-    self.writer.flush()
-    self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
-    self.jsonl.flush()
+    if self.writer is not None:
+      for k, v in m.items():
+        self.writer.add_scalar(f"train/{k}", v, step)
+      self.writer.flush()
+      self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
+      self.jsonl.flush()
     self.progress(
         f"step {step}/{total} reward {m['reward']:.4f} acc {m['acceptance_rate']:.3f} "
         f"tok/round {m['tokens_per_round']:.2f} proxy {m['acceptance_proxy']:.4f} "
@@ -126,8 +139,9 @@ class _Logger:
         f"reg {m['regulariser']:.3f}) tok/s {m['tokens_per_s']:.1f}")
 
   def close(self) -> None:
-    self.writer.close()
-    self.jsonl.close()
+    if self.writer is not None:
+      self.writer.close()
+      self.jsonl.close()
 
 
 def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequence[Any],
@@ -149,10 +163,17 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
   progress: called with one line per log interval (None: silent).
   """
   hp = HParams.from_config(train_cfg)
+  mesh = hp.mesh()
+  placement = mesh_lib.Placement(mesh)
+  writer = hosts.is_writer()
   if not isinstance(task, TokenTask):
     task = text_task(task, tokenizer)
-  os.makedirs(workdir, exist_ok=True)
+  if writer:
+    os.makedirs(workdir, exist_ok=True)
   target_config, target_params = target.config, target.params
+  if mesh is not None and progress:
+    progress(f"mesh: {hp.batch_rows} rows a step split over data={placement.size} devices "
+             f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''})")
 
   prompts = [task.prompt_ids(e) for e in examples]
   usable = [i for i, p in enumerate(prompts) if 2 <= len(p) <= hp.max_prompt_tokens]
@@ -169,17 +190,23 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
   # rollout steps would reach 0 after total_steps / ppo_epochs of them.
   optimizer = make_optimizer(hp.learning_rate, hp.warmup_steps * hp.ppo_epochs,
                              hp.total_steps * hp.ppo_epochs, hp.weight_decay, hp.grad_clip)
-  opt_state = optimizer.init(params)
-  step, data_pos = 0, 0
+  state = jax.device_get({"params": params, "opt_state": optimizer.init(params), "key": key})
+  counters = np.zeros((2,), np.int64)  # step, data position
 
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), hp.keep_checkpoints)
-  latest = ckpt.latest_step()
+  ckpt = (Checkpointer(os.path.join(workdir, "checkpoints"), hp.keep_checkpoints)
+          if writer else None)
+  latest = ckpt.latest_step() if ckpt else None
   if latest is not None:
-    state, meta = ckpt.restore(latest, {"params": params, "opt_state": opt_state, "key": key})
-    params, opt_state, key = state["params"], state["opt_state"], state["key"]
-    step, data_pos = int(meta["step"]), int(meta["data_pos"])
-    if progress:
-      progress(f"resumed from {workdir}/checkpoints at step {step} (data position {data_pos})")
+    state, meta = ckpt.restore(latest, state)
+    counters = np.asarray([meta["step"], meta["data_pos"]], np.int64)
+  # Process 0 keeps the checkpoints; every process continues from its state.
+  state, counters = hosts.broadcast((state, counters))
+  step, data_pos = (int(c) for c in counters)
+  if step and progress and writer:
+    progress(f"resumed from {workdir}/checkpoints at step {step} (data position {data_pos})")
+  params, opt_state = placement.params((state["params"], state["opt_state"]))
+  key = jnp.asarray(state["key"])
+  tf_target_params, tf_draft_params = placement.params((target_params, draft_params))
 
   clip = hp.clip_eps if hp.ppo_epochs > 1 else None
   train_step = jax.jit(make_train_step(module.apply, optimizer, hp.lam, clip))
@@ -190,8 +217,8 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
       target_config, target_params, draft, draft_params,
       head_weight_fn(**head_io.module_fields(module)), temperature=hp.temperature,
       num_draft=hp.num_draft, max_new_tokens=hp.max_new_tokens, eos_token_ids=eos_token_ids,
-      pad_id=target_config.pad_token_id)
-  logger = _Logger(workdir, progress)
+      pad_id=target_config.pad_token_id, mesh=mesh)
+  logger = _Logger(workdir, progress, files=writer)
   last = {}
   try:
     while step < hp.total_steps:
@@ -203,13 +230,19 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
       seed = int(jax.random.randint(roll_key, (), 0, np.iinfo(np.int32).max))
       roll = sampler.sample(params, [prompts[i] for i in chosen], hp.rollouts_per_prompt, seed)
       row_examples = [examples[i] for i in chosen for _ in range(hp.rollouts_per_prompt)]
-      rewards_b = np.asarray(task.rewards(roll.generated, row_examples), np.float32)
+      # Scored once (process 0), so that every process takes the same update even where
+      # scoring is not deterministic (a code task's time limits).
+      rewards_b = (np.asarray(task.rewards(roll.generated, row_examples), np.float32)
+                   if writer else np.zeros((len(row_examples),), np.float32))
+      rewards_b = hosts.broadcast(rewards_b)
 
       batch = teacher_forced_batch(
-          target_config, target_params, draft, draft_params, roll.prompts, roll.generated,
-          temperature=hp.temperature, num_new=hp.max_new_tokens,
-          chunk_rows=hp.teacher_forced_rows, pad_id=target_config.pad_token_id)
-      batch["advantages_b"] = advantage_fn(jnp.asarray(rewards_b), jnp.asarray(roll.group_ids))
+          target_config, tf_target_params, draft, tf_draft_params, roll.prompts,
+          roll.generated, temperature=hp.temperature, num_new=hp.max_new_tokens,
+          chunk_rows=hp.teacher_forced_rows, pad_id=target_config.pad_token_id,
+          placement=placement)
+      batch["advantages_b"] = placement.rows(np.asarray(
+          advantage_fn(jnp.asarray(rewards_b), jnp.asarray(roll.group_ids))))
       if hp.ppo_epochs > 1:
         batch["old_logp_bt"] = old_logp_fn(params, batch)
       first = None
@@ -220,7 +253,7 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
 
       if step % hp.log_every == 0 or step == hp.total_steps:
         s = roll.summary
-        last = {k: _scalar(v) for k, v in jax.device_get(first).items()}
+        last = {k: _scalar(v) for k, v in hosts.fetch(first).items()}
         last.update(
             reward=float(rewards_b.mean()), reward_std=float(rewards_b.std()),
             acceptance_rate=float(s["acceptance_rate"]),
@@ -231,17 +264,23 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
             step_seconds=time.perf_counter() - start)
         logger.log(step, hp.total_steps, last)
       if step % hp.checkpoint_every == 0 or step == hp.total_steps:
-        ckpt.save(step, {"params": params, "opt_state": opt_state, "key": key},
-                  {"step": step, "data_pos": data_pos})
+        state = hosts.fetch({"params": params, "opt_state": opt_state, "key": key})
+        if ckpt:
+          ckpt.save(step, state, {"step": step, "data_pos": data_pos})
   finally:
     logger.close()
-    ckpt.close()
+    if ckpt:
+      ckpt.close()
 
+  folder = os.path.join(workdir, "head")
+  params = hosts.fetch(params)
+  if not writer:
+    return folder
   if not last:  # resumed a finished run: the last logged metrics
     last = {k: v for k, v in _last_logged(workdir).items() if k != "step"}
   from diversed_jax.training.artifacts import portable_draft_spec
   return head_io.save_head(
-      os.path.join(workdir, "head"), module, params, dq, dp,
+      folder, module, params, dq, dp,
       target=getattr(target, "name", ""), draft_spec=portable_draft_spec(draft_spec),
       draft_digest=folder_digest(draft_spec), task=task.name,
       steps=step, train=train_cfg.to_dict(),
