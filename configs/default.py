@@ -77,7 +77,8 @@ def base() -> ml_collections.ConfigDict:
   c.decode.matmul_precision = "highest"
   # Devices a call's rows are split over ('data' mesh axis): -1 = all visible (every host's),
   # 1 = one device. With several, decode.batch_size (bench: bench.num_prompts) must divide
-  # by it; a queue (decode.queue > batch_size) is not split. One device: no effect.
+  # by it, and so must a queue (decode.queue > batch_size: each device runs its own over a
+  # block of the call's examples). One device: no effect.
   c.decode.mesh_data = -1
 
   c.methods = ml_collections.ConfigDict()

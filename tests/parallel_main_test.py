@@ -166,6 +166,37 @@ def test_rows_that_do_not_divide_over_the_mesh_are_refused(tiny_dir, tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
+# Continuous batching: 8 examples a call (4 real, padded) through 4 rows; on 4 devices each
+# runs its own queue of 2 through 1 row. Greedy, so the one-device records come back.
+QUEUE_JOB = ["--config=configs/gsm8k.py:tiny", "--config.methods.run=ar,sd",
+             "--config.decode.temperature=0.0", "--config.decode.batch_size=4",
+             "--config.decode.queue=8"]
+
+
+def test_four_devices_split_a_queue_and_match_one_device(tiny_dir, tmp_path):
+  workdirs = [str(tmp_path / "one"), str(tmp_path / "four")]
+  code, out, err = _run([*QUEUE_JOB, f"--workdir={workdirs[0]}"], _env(tiny_dir))
+  assert code == 0, err[-3000:]
+  code, out, err = _run([*QUEUE_JOB, f"--workdir={workdirs[1]}"], _env(tiny_dir, devices=4))
+  assert code == 0, err[-3000:]
+  assert ("mesh: a queue of 8 examples per call split over data=4 devices, 2 through 1 "
+          "rows on each (1 process)") in out
+  want, got = _records(workdirs[0]), _records(workdirs[1])
+  assert got.keys() == want.keys() and len(want) == 2 * 4
+  for key, record in want.items():
+    for field in FIELDS:
+      assert got[key][field] == record[field], (key, field)
+
+
+def test_a_queue_that_does_not_divide_over_the_mesh_is_refused(tiny_dir, tmp_path):
+  args = [*QUEUE_JOB, "--config.decode.queue=6", f"--workdir={tmp_path / 'run'}"]
+  code, out, err = _run(args, _env(tiny_dir, devices=4), timeout=120)
+  assert code != 0 and "Traceback" not in err
+  assert "decode.queue=6: each of the 4 devices of the mesh (decode.mesh_data=-1) runs its " \
+         "own queue" in err
+  assert not os.path.exists(tmp_path / "run")
+
+
 def test_mesh_data_is_validated(tiny_dir, monkeypatch):
   from diversed_jax.evaluation import config_io, validate
   monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)

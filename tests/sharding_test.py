@@ -1,5 +1,5 @@
-"""The speculative loop and the head's teacher-forced pass run unchanged on a data-parallel
-mesh (4 fake CPU devices)."""
+"""The speculative loop (also with a queue, one per device) and the head's teacher-forced
+pass run unchanged on a data-parallel mesh (4 fake CPU devices)."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 _SCRIPT = textwrap.dedent("""
-    import jax, jax.numpy as jnp
+    import jax, jax.numpy as jnp, numpy as np
     from diversed_jax.models import ModelConfig, init_params
     from diversed_jax.parallel import mesh as mesh_lib
     from diversed_jax.speculative import decoder as dec, drafts
@@ -19,7 +19,7 @@ _SCRIPT = textwrap.dedent("""
     tp = init_params(cfg, jax.random.PRNGKey(0), std=0.5)
     dp = init_params(dcfg, jax.random.PRNGKey(1), std=0.5)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3, 3], [1, 5, 2], [7, 7, 7], [2, 4], [9, 1]]
-    for batch_size in (None, 4):  # 4 rows, 8 prompts: continuous batching
+    for batch_size in (None,):  # one batch split over the devices: the same samples
       outs = []
       for mesh in (None, mesh_lib.make_mesh()):
         d = dec.SpeculativeDecoder(dec.ModelHandle(cfg, tp), drafts.LMDraft(dcfg), dp,
@@ -28,9 +28,41 @@ _SCRIPT = textwrap.dedent("""
                                num_draft=3, max_new_tokens=10, seed=5, eos_token_ids=(),
                                batch_size=batch_size))
       assert outs[0].token_ids == outs[1].token_ids, (outs[0].token_ids, outs[1].token_ids)
+    # A queue: each device runs its own over a block of the prompts (split_queue). Greedy
+    # calls give the one-device tokens and rounds, with or without a shrinking tail.
+    many = prompts + [p[::-1] for p in prompts]  # 16 prompts through 8 rows, 2 per device
+    for shrink_tail in (False, True):
+      outs = []
+      for mesh in (None, mesh_lib.make_mesh()):
+        d = dec.SpeculativeDecoder(dec.ModelHandle(cfg, tp), drafts.LMDraft(dcfg), dp,
+                                   mesh=mesh, shrink_tail=shrink_tail)
+        outs.append(d.generate(many, VerifyParams(method="sd", temperature=0.0),
+                               num_draft=3, max_new_tokens=10, seed=5, eos_token_ids=(4,),
+                               batch_size=8))
+      assert outs[0].token_ids == outs[1].token_ids, (outs[0].token_ids, outs[1].token_ids)
+      assert outs[0].accepted_per_round == outs[1].accepted_per_round
+      # width_r: the rows each round ran over all devices (finished devices run none).
+      stats = outs[1].stats
+      assert sum(len(a) for a in outs[1].accepted_per_round) == int(stats.active_rb.sum())
+      assert stats.width_r[0] == 8 and np.all(stats.active_rb.sum(1) <= stats.width_r)
+    # Sampled: each device draws from its own stream (blocks of one repeated prompt
+    # differ), and every prompt's rounds commit its tokens.
+    d = dec.SpeculativeDecoder(dec.ModelHandle(cfg, tp), drafts.LMDraft(dcfg), dp,
+                               mesh=mesh_lib.make_mesh())
+    same = d.generate([[1, 2, 3]] * 8, VerifyParams(method="sd", temperature=1.0),
+                      num_draft=3, max_new_tokens=12, seed=5, eos_token_ids=(),
+                      batch_size=4)
+    blocks = [same.token_ids[i:i + 2] for i in range(0, 8, 2)]
+    assert len({str(b) for b in blocks}) == 4, blocks
+    for tokens, accepted in zip(same.token_ids, same.accepted_per_round):
+      assert len(tokens) == 12 and sum(n + 1 for n in accepted) >= 12
+    try:
+      d.generate([[1, 2, 3]] * 6, VerifyParams(method="sd"), batch_size=4)
+      raise AssertionError("6 prompts over 4 devices were not refused")
+    except ValueError as e:
+      assert "6 prompts through batch_size=4 rows: a queue is split over the 4" in str(e), e
     # The head's teacher-forced pass: rows split over the 4 devices (a chunk of 3 rows is
     # rounded up to 4), the values those of one device.
-    import numpy as np
     from diversed_jax.training import teacher_forced as tf_lib
     gens = [[5, 6], [7], [1, 2, 3, 4], [8, 8], [2], [3, 4, 5], [6, 6, 6], [9]]
     batches = []

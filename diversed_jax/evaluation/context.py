@@ -109,24 +109,32 @@ def resolve_head(config, workdir: str | None) -> str | None:
 def decode_mesh(config, log=None):
   """The mesh that splits the rows of the job's decoding calls (decode.mesh_data), or None
   on one device, where nothing changes. Rows: bench.num_prompts in mode 'bench', else
-  decode.batch_size; a queue (decode.queue > batch_size) stays unsplit (the loop reads
-  it replicated, so every device would decode every row): None, with a note in `log`."""
+  decode.batch_size; with a queue (decode.queue > batch_size) each device runs its own
+  over a block of the call's examples (speculative/split_queue.py), so the queue must
+  divide over the mesh too. Raises ValueError naming the field that does not divide."""
   d = config.decode
   data = d.get("mesh_data", -1)
-  if config.mode != "bench" and d.queue > d.batch_size:
-    if jax.device_count() > 1 and data != 1 and log:
-      log(f"decode.queue={d.queue} > decode.batch_size: continuous batching is not split "
-          f"over the devices; each process decodes on one")
-    return None
+  queued = config.mode != "bench" and d.queue > d.batch_size
   if config.mode == "bench":
     rows, field = config.bench.num_prompts, "bench.num_prompts"
   else:
     rows, field = d.batch_size, "decode.batch_size"
   mesh = mesh_lib.data_mesh(data, rows, rows_field=field)
-  if mesh is not None and log:
-    size = mesh.shape[mesh_lib.DATA]
-    log(f"mesh: {rows} rows per call split over data={size} devices "
-        f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''})")
+  if mesh is None:
+    return None
+  size = mesh.shape[mesh_lib.DATA]
+  if queued and d.queue % size:
+    raise ValueError(f"decode.queue={d.queue}: each of the {size} devices of the mesh "
+                     f"(decode.mesh_data={data}) runs its own queue over a block of the "
+                     f"call's examples, so it must be a multiple of {size}; or set "
+                     "decode.mesh_data=1 to run on one device")
+  if log:
+    processes = f"{jax.process_count()} process{'es' if jax.process_count() > 1 else ''}"
+    if queued:
+      log(f"mesh: a queue of {d.queue} examples per call split over data={size} devices, "
+          f"{d.queue // size} through {rows // size} rows on each ({processes})")
+    else:
+      log(f"mesh: {rows} rows per call split over data={size} devices ({processes})")
   return mesh
 
 

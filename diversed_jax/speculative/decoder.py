@@ -21,7 +21,7 @@ from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
 from diversed_jax.parallel import hosts
 from diversed_jax.parallel import mesh as mesh_lib
-from diversed_jax.speculative import loop, metrics, programs
+from diversed_jax.speculative import loop, metrics, programs, split_queue
 from diversed_jax.speculative.types import VerifyParams
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -80,7 +80,9 @@ class SpeculativeDecoder:
                prefill_chunk: int = loop.PREFILL_CHUNK, shrink_tail: bool = False,
                matmul_precision: str = "highest"):
     """`mesh`: an optional jax.sharding.Mesh; rows are then split over its 'data' axis
-    (the batch must divide by its size) and parameters replicated.
+    (the batch must divide by its size) and parameters replicated. With a queue
+    (`generate`'s batch_size), each device runs its own over a block of the prompts
+    (`split_queue`; prompts and rows must divide by its size).
 
     `unstack`: run the models with unrolled per-layer weights
     (`ModelHandle.decoding_params`, a second copy of the target's weights made on first
@@ -167,30 +169,32 @@ class SpeculativeDecoder:
             self.draft_params if uses_draft else None,
             self.head_params if verify.method == "diversed" else None,
             jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed))
-    num_rows = len(prompts) if batch_size is None else batch_size
-    # A sharded batch (no queue) shrinks by whole shards of the 'data' axis.
-    shard = (1 if self.mesh is None or batch_size is not None
-             else self.mesh.shape[mesh_lib.DATA])
-    tail_widths = loop.default_tail_widths(num_rows, shard) if self.shrink_tail else ()
-    if self.mesh is not None:
-      # A queue is read one prompt at a time by every device: replicate it.
-      rows = (mesh_lib.batch_sharded(self.mesh) if batch_size is None
-              else mesh_lib.replicated(self.mesh))
-      target_params, draft_params = self._replicated_models
-      args = (target_params, draft_params if uses_draft else None,
-              mesh_lib.place(args[2], mesh_lib.replicated(self.mesh)),
-              *mesh_lib.place(args[3:5], rows), args[5])
     kwargs = dict(spec=spec, target_config=self.target.config,
                   draft=self.draft if uses_draft else None,
                   weight_fn=self.weight_fn if verify.method == "diversed" else None,
-                  cache_len=cache_len, batch_size=batch_size, prefill_chunk=self.prefill_chunk,
-                  tail_widths=tail_widths)
-    signature = (spec, tokens.shape, cache_len, batch_size, tail_widths,
+                  cache_len=cache_len, batch_size=batch_size, prefill_chunk=self.prefill_chunk)
+    decode_fn = loop.decode
+    if self.mesh is None:
+      tail_rows, shard = (len(prompts) if batch_size is None else batch_size), 1
+    elif batch_size is None:  # one batch split over 'data': it shrinks by whole shards
+      tail_rows, shard = len(prompts), self.mesh.shape[mesh_lib.DATA]
+    else:  # a queue: each device runs its own over its block of the prompts
+      devices = split_queue.check_split(self.mesh, len(prompts), batch_size)
+      tail_rows, shard = batch_size // devices, 1
+      decode_fn, kwargs["mesh"] = split_queue.decode, self.mesh
+    kwargs["tail_widths"] = (loop.default_tail_widths(tail_rows, shard) if self.shrink_tail
+                             else ())
+    if self.mesh is not None:
+      target_params, draft_params = self._replicated_models
+      args = (target_params, draft_params if uses_draft else None,
+              mesh_lib.place(args[2], mesh_lib.replicated(self.mesh)),
+              *mesh_lib.place(args[3:5], mesh_lib.batch_sharded(self.mesh)), args[5])
+    signature = (spec, tokens.shape, cache_len, batch_size, kwargs["tail_widths"],
                  self.matmul_precision)
 
     def compile_program():
       with jax.default_matmul_precision(self.matmul_precision):
-        return loop.decode.lower(*args, **kwargs).compile()
+        return decode_fn.lower(*args, **kwargs).compile()
 
     start = time.perf_counter()
     program, compiled = self.programs.get(signature, compile_program)
