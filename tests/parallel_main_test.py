@@ -91,9 +91,9 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _two_processes(tiny_dir, workdirs):
+def _two_processes(tiny_dir, workdirs, job=JOB):
   port = _free_port()
-  procs = [_main([*JOB, f"--workdir={workdirs[i]}"],
+  procs = [_main([*job, f"--workdir={workdirs[i]}"],
                  _env(tiny_dir, devices=2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
                       JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
            for i in range(2)]
@@ -173,19 +173,24 @@ QUEUE_JOB = ["--config=configs/gsm8k.py:tiny", "--config.methods.run=ar,sd",
              "--config.decode.queue=8"]
 
 
-def test_four_devices_split_a_queue_and_match_one_device(tiny_dir, tmp_path):
-  workdirs = [str(tmp_path / "one"), str(tmp_path / "four")]
-  code, out, err = _run([*QUEUE_JOB, f"--workdir={workdirs[0]}"], _env(tiny_dir))
+def test_a_queue_split_over_devices_and_processes_matches_one_device(tiny_dir, tmp_path):
+  one, four, two = (str(tmp_path / name) for name in ("one", "four", "two"))
+  code, out, err = _run([*QUEUE_JOB, f"--workdir={one}"], _env(tiny_dir))
   assert code == 0, err[-3000:]
-  code, out, err = _run([*QUEUE_JOB, f"--workdir={workdirs[1]}"], _env(tiny_dir, devices=4))
+  want = _records(one)
+  assert len(want) == 2 * 4
+  code, out, err = _run([*QUEUE_JOB, f"--workdir={four}"], _env(tiny_dir, devices=4))
   assert code == 0, err[-3000:]
-  assert ("mesh: a queue of 8 examples per call split over data=4 devices, 2 through 1 "
-          "rows on each (1 process)") in out
-  want, got = _records(workdirs[0]), _records(workdirs[1])
-  assert got.keys() == want.keys() and len(want) == 2 * 4
-  for key, record in want.items():
-    for field in FIELDS:
-      assert got[key][field] == record[field], (key, field)
+  outs = [out, *_two_processes(tiny_dir, [two, str(tmp_path / "p1")], job=QUEUE_JOB)]
+  for out, processes in zip(outs, ("1 process", "2 processes", "2 processes")):
+    assert ("mesh: a queue of 8 examples per call split over data=4 devices, 2 through 1 "
+            f"rows on each ({processes})") in out
+  for workdir in (four, two):
+    got = _records(workdir)
+    assert got.keys() == want.keys()
+    for key, record in want.items():
+      for field in FIELDS:
+        assert got[key][field] == record[field], (workdir, key, field)
 
 
 def test_a_queue_that_does_not_divide_over_the_mesh_is_refused(tiny_dir, tmp_path):
