@@ -66,6 +66,7 @@ def get_config():
   c.train = ml_collections.ConfigDict()
   c.train.steps = 200_000  # total optimiser steps (runs are resumable; stop any time)
   c.train.batch = 6  # windows per step
+  c.train.mesh_data = -1  # devices a step's windows are split over ('data'; -1: all, 1: one)
   c.train.window = 256  # tokens per window (a GSM8K record fits whole; 128 cut off the question)
   c.train.lr = 1e-3  # peak AdamW learning rate
   c.train.warmup = 100  # linear warm-up steps

@@ -826,6 +826,7 @@ def test_kept_ids_need_target_continuations(tmp_path):
     ("train.log_every", 0, r"train.log_every=0 is invalid"),
     ("data.temperatures", (), r"data.temperatures=\(\) is invalid"),
     ("data.temperatures", (1.0, -1.0), r"data.temperatures=\(1.0, -1.0\) is invalid"),
+    ("train.mesh_data", 0, r"train.mesh_data=0 is invalid: -1 \(all devices\)"),
 ])
 def test_validate_names_the_bad_field(field, value, message):
   c = _tiny_config()
@@ -834,6 +835,14 @@ def test_validate_names_the_bad_field(field, value, message):
   c[section][name] = value
   with pytest.raises(ValueError, match=message):
     train.validate(c)
+
+
+def test_more_mesh_devices_than_visible_are_refused_before_loading():
+  c = _tiny_config()
+  assert train.step_mesh(c.train) is None  # the test process: one device
+  c.train.mesh_data = 2
+  with pytest.raises(ValueError, match=r"config.train.mesh_data=2: only 1 devices"):
+    train.step_mesh(c.train)
 
 
 def test_feature_draft_takes_the_target_layers_geometry():

@@ -162,7 +162,7 @@ def test_rows_that_do_not_divide_over_the_mesh_are_refused(tiny_dir, tmp_path):
   args = [*JOB, "--config.decode.batch_size=3", f"--workdir={tmp_path / 'run'}"]
   code, out, err = _run(args, _env(tiny_dir, devices=4), timeout=120)
   assert code != 0 and "Traceback" not in err
-  assert "decode.batch_size=3: the rows of a call are split over the 4 devices" in err
+  assert "decode.batch_size=3: rows are split over the 4 devices" in err
   assert not os.path.exists(tmp_path / "run")
 
 
@@ -309,8 +309,8 @@ def test_training_rows_that_do_not_divide_over_the_mesh_are_refused(tiny_dir, tm
   args = [*TRAIN_JOB, "--config.train.prompts_per_step=3", f"--workdir={tmp_path / 'run'}"]
   code, out, err = _run(args, _env(tiny_dir, devices=4), timeout=120)
   assert code != 0 and "Traceback" not in err
-  assert ("train.prompts_per_step * train.rollouts_per_prompt=6: the rows of a call are "
-          "split over the 4 devices of the mesh (train.mesh_data=-1)") in err
+  assert ("train.prompts_per_step * train.rollouts_per_prompt=6: rows are split over the "
+          "4 devices of the mesh (train.mesh_data=-1)") in err
   assert not os.path.exists(tmp_path / "run")
 
 

@@ -85,3 +85,61 @@ def test_data_parallel_mesh_gives_identical_tokens():
                           text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "OK" in result.stdout
+
+
+_DISTILL_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    from diversed_jax.distill import data, train
+    from diversed_jax.models import ModelConfig, init_params
+    from diversed_jax.models.loading import LoadedModel
+    from diversed_jax.speculative import decoder as dec
+    from tests.distill_test import _tiny_config
+    assert len(jax.devices()) == 4, jax.devices()
+    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+                      eos_token_ids=())
+    target = LoadedModel(cfg, init_params(cfg, jax.random.PRNGKey(0), std=0.5), "tiny", "")
+    root = sys.argv[1]
+    d = dec.SpeculativeDecoder(dec.ModelHandle(cfg, target.params))
+    rng = np.random.default_rng(0)
+    for index in range(3):
+      prompts = [rng.integers(3, 64, size=int(rng.integers(4, 12))).tolist() for _ in range(6)]
+      data.save_shard(root + "/shards", index, data.shard_from_prompts(
+          d, prompts, temperature=1.0, max_new_tokens=20, top_k=8, seed=index,
+          eos_token_ids=()))
+    split = []  # devices holding each step's windows
+    step_fn = train._train_step
+    def spy(params, opt_state, frozen, batch, **kwargs):
+      tokens = batch["tokens_bw"]
+      split.append(len(tokens.sharding.device_set) if hasattr(tokens, "sharding") else 1)
+      return step_fn(params, opt_state, frozen, batch, **kwargs)
+    train._train_step = spy
+    losses = {}
+    for mesh_data in (1, -1):
+      c = _tiny_config()
+      c.data.dir, c.workdir = root + "/shards", f"{root}/run{mesh_data}"
+      c.draft.kind, c.train.steps, c.train.mesh_data = "feature", 10, mesh_data
+      c.train.eval_every, c.train.unroll = 0, 2
+      first = train.Trainer(c, target, log=print).train(num_steps=5)  # checkpoint at 5
+      resumed = train.Trainer(c, target, log=print)
+      assert resumed.step == 5 and resumed.placement.size == (4 if mesh_data == -1 else 1)
+      losses[mesh_data] = first + resumed.train()
+      if mesh_data == -1:  # the restored state stays replicated over the mesh
+        leaf = jax.tree.leaves(resumed.state["params"])[0]
+        assert len(leaf.sharding.device_set) == 4, leaf.sharding
+    assert split == [1] * 10 + [4] * 10, split
+    np.testing.assert_allclose(losses[-1], losses[1], rtol=1e-4, atol=1e-6)
+    print("OK", len(losses[1]))
+""")
+
+
+def test_distillation_splits_its_windows_and_matches_one_device(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", _DISTILL_SCRIPT, str(tmp_path)], env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "mesh: 4 windows a step split over data=4 devices" in result.stdout
+  assert "OK 10" in result.stdout

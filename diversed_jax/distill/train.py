@@ -27,6 +27,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from diversed_jax.distill import architectures, artifacts, batches, copy_gate, data, losses
+from diversed_jax.parallel import mesh as mesh_lib
 
 MODES = ("data", "train", "export", "shrink_vocab", "fit_copy_gate")
 # Held-out metrics that may pick the exported best draft (train.select_by): the first
@@ -69,6 +70,8 @@ def _checks(config) -> list[tuple]:
       ("train.argmax_weight", lambda: t.argmax_weight >= 0),
       ("train.select_by", lambda: t.select_by in SELECT_BY, f"one of {SELECT_BY}"),
       ("train.batch", lambda: t.batch >= 1),
+      ("train.mesh_data", lambda: t.mesh_data == -1 or t.mesh_data >= 1,
+       "-1 (all devices) or a positive integer"),
       ("train.window", lambda: t.window >= 2),
       ("draft.vocab_keep", lambda: config.draft.vocab_keep >= 3),
       ("draft.num_layers", lambda: config.draft.num_layers >= 1),
@@ -205,13 +208,27 @@ def _draft_from_config(config, target_config) -> architectures.DistilledDraft:
                                       vocab_size=target_config.vocab_size)
 
 
+def step_mesh(tc):
+  """The mesh a step's windows are split over (None: one device); ValueError naming the
+  field when they do not divide over it."""
+  return mesh_lib.data_mesh(tc.mesh_data, tc.batch, field="config.train.mesh_data",
+                            rows_field="config.train.batch")
+
+
 class Trainer:
-  """Builds or restores the training state and runs steps; usable from tests."""
+  """Builds or restores the training state and runs steps; usable from tests.
+
+  Several devices (train.mesh_data): each step's windows are split over a 'data' mesh and
+  the state is replicated; jit all-reduces the loss and gradients (one process)."""
 
   def __init__(self, config, target, log=print):
     validate(config)
     self.config, self.target, self.log = config, target, log
     tc = config.train
+    mesh = step_mesh(tc)
+    self.placement = mesh_lib.Placement(mesh)
+    if mesh is not None:
+      log(f"mesh: {tc.batch} windows a step split over data={self.placement.size} devices")
     self.workdir = os.path.abspath(config.workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.pool = _training_pool(config)
@@ -292,16 +309,18 @@ class Trainer:
     np.save(vocab_path, vocab_ids)
     self.vocab_ids = vocab_ids
     self.kept_index = batches.kept_index(vocab_ids, self.target.config.vocab_size)
-    self.frozen = architectures.frozen_params(self.target.params, vocab_ids)
+    self.frozen = self.placement.params(
+        architectures.frozen_params(self.target.params, vocab_ids))
     key = jax.random.PRNGKey(tc.seed)
     if init_meta is not None:
       train_params = init_train
     else:
       train_params = architectures.init_train_params(draft, key, self.target.params)
     opt_state = self.tx.init(train_params)
-    self.state = {"params": train_params, "opt_state": opt_state,
-                  "step": jnp.zeros((), jnp.int32), "rng": key,
-                  "num_shards": jnp.asarray(num_shards or 0, jnp.int32)}
+    # Replicated before a restore, which then reads the checkpoint into the same placement.
+    self.state = self.placement.params({
+        "params": train_params, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32),
+        "rng": key, "num_shards": jnp.asarray(num_shards or 0, jnp.int32)})
     if latest is not None:
       self.state = self.manager.restore(latest, args=ocp.args.StandardRestore(self.state))
       self.log(f"resumed from step {latest}")
@@ -352,16 +371,16 @@ class Trainer:
         n = self.pool.available()
         if n > int(self.state["num_shards"]):
           self._use_shards(n)
-          self.state["num_shards"] = jnp.asarray(n, jnp.int32)
+          self.state["num_shards"] = self.placement.params(jnp.asarray(n, jnp.int32))
           self.log(f"step {step}: now training on {n} shards, {len(self.pool.sequences)} "
                    "sequences")
       batch = self.batch_for_step(step)
+      positions += int(batch["weight_bw"].astype(bool).sum())
       params, opt_state, metrics = _train_step(
-          self.state["params"], self.state["opt_state"], self.frozen, batch, draft=self.draft,
-          hp=self.hp, tx=self.tx)
+          self.state["params"], self.state["opt_state"], self.frozen,
+          self.placement.rows(batch), draft=self.draft, hp=self.hp, tx=self.tx)
       self.state.update(params=params, opt_state=opt_state, step=self.state["step"] + 1,
                         rng=jax.random.fold_in(self.state["rng"], step))
-      positions += int(batch["weight_bw"].astype(bool).sum())
       window_metrics.append(metrics)
       history.append(metrics["loss"])
       if self.step % tc.log_every == 0 or self.step == end:
@@ -459,6 +478,7 @@ def run(config: ml_collections.ConfigDict) -> None:
   if config.mode == "fit_copy_gate":
     copy_gate.run(config, load_model(config.target), log=log)
     return
+  step_mesh(config.train)  # before loading the target
   trainer = Trainer(config, load_model(config.target), log=log)
   trainer.train()
   trainer.maybe_export_best()

@@ -44,8 +44,8 @@ def data_mesh(data: int, rows: int, field: str = "decode.mesh_data",
     raise ValueError(f"{field}={data}: a job of {jax.process_count()} processes splits "
                      f"rows over all {count} devices (-1) or none (1)")
   if rows % size:
-    raise ValueError(f"{rows_field}={rows}: the rows of a call are split over the "
-                     f"{size} devices of the mesh ({field}={data}), so it must be a "
+    raise ValueError(f"{rows_field}={rows}: rows are split over the {size} devices "
+                     f"of the mesh ({field}={data}), so it must be a "
                      f"multiple of {size}; or set {field}=1 to run on one device")
   return make_mesh(size, devices=jax.devices()[:size])
 
