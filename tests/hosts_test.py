@@ -5,14 +5,13 @@ jit over placed rows all-reduces over both processes."""
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
 from diversed_jax.parallel import hosts
+from tests import two_processes
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
@@ -35,33 +34,13 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results():
-  port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "JAX_COORDINATOR_ADDRESS"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2")
-  procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT], env=dict(env, JAX_PROCESS_ID=str(i)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=240) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  got = []
-  for p, (out, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
-    line = next(l for l in out.splitlines() if l.startswith("RESULT "))
-    got.append(json.loads(line[len("RESULT "):]))
-  return got
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  outs = two_processes.run(lambda i: [sys.executable, "-c", _SCRIPT], env, timeout=240)
+  return [json.loads(next(line for line in out.splitlines()
+                          if line.startswith("RESULT "))[len("RESULT "):]) for out in outs]
 
 
 def test_broadcast_gives_process_0s_values_everywhere(results):

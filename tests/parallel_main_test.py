@@ -7,7 +7,6 @@ not divide over the mesh are refused."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from diversed_jax.evaluation import runner, tiny
+from tests import two_processes as two_processes_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ar and a draft-using ensemble at a temperature > 0: sampled tokens, acceptance, rewards.
@@ -42,16 +42,10 @@ def _env(tiny_dir, devices=1, **extra):
   return env
 
 
-def _main(args, env, cwd=ROOT):
-  return subprocess.Popen([sys.executable, "-m", "diversed_jax.main", *args], cwd=cwd,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
-
-
 def _run(args, env, cwd=ROOT, timeout=300):
-  proc = _main(args, env, cwd)
-  out, err = proc.communicate(timeout=timeout)
-  return proc.returncode, out, err
+  proc = subprocess.run([sys.executable, "-m", "diversed_jax.main", *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+  return proc.returncode, proc.stdout, proc.stderr
 
 
 def _records(workdir):
@@ -85,27 +79,11 @@ def test_four_devices_split_the_rows_and_match_one_device(tiny_dir, one_device, 
   assert "| static(w=0.5) |" in out
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def _two_processes(tiny_dir, workdirs, job=JOB):
-  port = _free_port()
-  procs = [_main([*job, f"--workdir={workdirs[i]}"],
-                 _env(tiny_dir, devices=2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
-           for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=300) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
-  return [out for out, _ in outs]
+  """Runs `job` as 2 processes of 2 fake devices each (workdirs[i] for process i)."""
+  return two_processes_lib.run(
+      lambda i: [sys.executable, "-m", "diversed_jax.main", *job, f"--workdir={workdirs[i]}"],
+      _env(tiny_dir, devices=2), cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -260,29 +238,12 @@ def test_four_devices_train_the_one_device_head(tiny_dir, one_device_head, tmp_p
   _assert_same_training(workdir, *one_device_head)
 
 
-def _two_process_training(tiny_dir, workdirs):
-  port = _free_port()
-  procs = [_main([*TRAIN_JOB, f"--workdir={workdirs[i]}"],
-                 _env(tiny_dir, devices=2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
-           for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=300) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
-  return [out for out, _ in outs]
-
-
 def test_two_processes_train_the_one_device_head_and_resume_from_process_0(
     tiny_dir, one_device_head, tmp_path):
   """Process 0 alone keeps the checkpoints and writes; after losing the last checkpoint
   both processes resume from process 0's step-2 state and train steps 3-4 alike."""
   workdirs = [str(tmp_path / "p0"), str(tmp_path / "p1")]
-  outs = _two_process_training(tiny_dir, workdirs)
+  outs = _two_processes(tiny_dir, workdirs, job=TRAIN_JOB)
   for out in outs:
     assert "mesh: 4 rows a step split over data=4 devices (2 processes)" in out
     assert "step 4/4" in out
@@ -297,7 +258,7 @@ def test_two_processes_train_the_one_device_head_and_resume_from_process_0(
     first_two = f.readlines()[:2]
   with open(os.path.join(train_dir, "metrics.jsonl"), "w") as f:
     f.writelines(first_two)
-  outs = _two_process_training(tiny_dir, workdirs)
+  outs = _two_processes(tiny_dir, workdirs, job=TRAIN_JOB)
   assert "resumed from" in outs[0] and "at step 2 (data position 4)" in outs[0]
   for out in outs:
     assert "step 1/4" not in out and "step 4/4" in out
@@ -334,21 +295,8 @@ def test_two_processes_update_with_process_0s_rewards(tmp_path):
   toy.run(str(tmp_path / "one"), progress=None, total_steps=3, checkpoint_every=3)
   want = _toy_metrics(str(tmp_path / "one"))
   assert len({m["reward"] for m in want}) > 1 and any(m["policy_loss"] for m in want)
-  port = _free_port()
-  env = _env("", devices=2, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-             JAX_NUM_PROCESSES="2")
-  procs = [subprocess.Popen([sys.executable, "-c", _TOY_RUN, str(tmp_path / f"p{i}")],
-                            env=dict(env, JAX_PROCESS_ID=str(i)), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=300) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
+  two_processes_lib.run(lambda i: [sys.executable, "-c", _TOY_RUN, str(tmp_path / f"p{i}")],
+                        _env("", devices=2), cwd=ROOT)
   got = _toy_metrics(str(tmp_path / "p0"))
   assert len(got) == len(want) == 3
   for g, w in zip(got, want):
