@@ -240,16 +240,22 @@ def test_four_devices_train_the_one_device_head(tiny_dir, one_device_head, tmp_p
 
 def test_two_processes_train_the_one_device_head_and_resume_from_process_0(
     tiny_dir, one_device_head, tmp_path):
-  """Process 0 alone keeps the checkpoints and writes; after losing the last checkpoint
-  both processes resume from process 0's step-2 state and train steps 3-4 alike."""
+  """Process 0 alone keeps the checkpoints and writes, and both evaluate its head
+  (train_and_eval); after losing the last checkpoint both processes resume from process
+  0's step-2 state and train steps 3-4 alike."""
   workdirs = [str(tmp_path / "p0"), str(tmp_path / "p1")]
-  outs = _two_processes(tiny_dir, workdirs, job=TRAIN_JOB)
+  job = [*TRAIN_JOB, "--config.mode=train_and_eval", "--config.methods.run=ar,diversed",
+         "--config.decode.batch_size=4"]
+  outs = _two_processes(tiny_dir, workdirs, job=job)
+  head = os.path.join(workdirs[0], "train", "head")
   for out in outs:
     assert "mesh: 4 rows a step split over data=4 devices (2 processes)" in out
-    assert "step 4/4" in out
+    assert "step 4/4" in out and f"head={head}" in out
   assert "head written to" in outs[0] and "head written to" not in outs[1]
+  assert "| diversed |" in outs[0] and "| diversed |" not in outs[1]
   assert not os.path.exists(workdirs[1])
   _assert_same_training(workdirs[0], *one_device_head)
+  assert len(_records(workdirs[0])) == 2 * 4
 
   train_dir = os.path.join(workdirs[0], "train")
   shutil.rmtree(os.path.join(train_dir, "checkpoints", "4"))
