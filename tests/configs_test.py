@@ -171,6 +171,14 @@ def test_gsm8k_local_jsonl_override(tmp_path):
     ("diversed_jax.distill", ["--config=configs/distill_smollm2.py", "--config.workdir={tmp}",
                               "--config.target=/nonexistent/model", "--config.train.batch=0"],
      "config.train.batch=0 is invalid"),
+    # A mesh of more devices than visible (the test runs on one).
+    ("diversed_jax.training", ["--workdir={tmp}", "--target=/nonexistent/model",
+                               "--train.mesh_data=2"],
+     "--train.mesh_data=2: only 1 devices are visible"),
+    ("diversed_jax.distill", ["--config=configs/distill_smollm2.py", "--config.workdir={tmp}",
+                              "--config.target=/nonexistent/model",
+                              "--config.train.mesh_data=2"],
+     "config.train.mesh_data=2: only 1 devices are visible"),
 ])
 def test_bad_value_on_the_command_line_is_a_usage_error_before_loading(tmp_path, module, args,
                                                                         message):

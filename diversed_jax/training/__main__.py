@@ -79,8 +79,10 @@ def main(argv):
                       draft_params=draft_params, task=text_task(task, tokenizer, shots=shots),
                       examples=examples, workdir=_WORKDIR.value, draft_spec=draft_spec,
                       progress=lambda line: print(line, flush=True))
+  if not hosts.is_writer():  # process 0 wrote the head
+    return
   print(f"head: {folder}", flush=True)
-  if _SHIP_AS.value and hosts.is_writer():
+  if _SHIP_AS.value:
     dest = os.path.join(artifacts.ASSETS, _SHIP_AS.value)
     os.makedirs(dest, exist_ok=True)
     for name in ("head.json", "params.npz"):
