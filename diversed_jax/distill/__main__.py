@@ -14,8 +14,6 @@ def main(argv):
   from diversed_jax.distill import train
   with cli.usage_errors():
     train.validate(_CONFIG.value)
-    if _CONFIG.value.mode == "train":
-      train.step_mesh(_CONFIG.value.train)
   train.run(_CONFIG.value)
 
 

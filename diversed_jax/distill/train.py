@@ -36,12 +36,15 @@ SELECT_BY = ("accept1", "top11")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first bad field."""
+  """Raises ValueError naming the first bad field; in mode train also when train.batch
+  does not divide over train.mesh_data's devices."""
   for field, ok, *why in _checks(config):
     if not ok():  # lazy: a later check may divide by a field an earlier one rejects
       section, _, name = field.rpartition(".")
       value = (config[section] if section else config)[name]
       raise ValueError(f"config.{field}={value!r} is invalid" + "".join(f": {w}" for w in why))
+  if config.mode == "train":
+    step_mesh(config.train)  # the windows divide over the devices
 
 
 def _checks(config) -> list[tuple]:
@@ -478,7 +481,6 @@ def run(config: ml_collections.ConfigDict) -> None:
   if config.mode == "fit_copy_gate":
     copy_gate.run(config, load_model(config.target), log=log)
     return
-  step_mesh(config.train)  # before loading the target
   trainer = Trainer(config, load_model(config.target), log=log)
   trainer.train()
   trainer.maybe_export_best()

@@ -133,11 +133,14 @@ class SpeculativeDecoder:
     return self.target.decoding_params if self.unstack else self.target.params
 
   @functools.cached_property
-  def _replicated_models(self):
-    """(target, draft) parameters replicated over the mesh, copied to its devices once
-    rather than at every call."""
-    return mesh_lib.place((self.target_params(), self.draft_params),
-                          mesh_lib.replicated(self.mesh))
+  def _placement(self) -> mesh_lib.Placement:
+    return mesh_lib.Placement(self.mesh)
+
+  @functools.cached_property
+  def _models(self):
+    """(target, draft) parameters as the programs take them: replicated over the mesh, if
+    any, copied to its devices once rather than at every call."""
+    return self._placement.params((self.target_params(), self.draft_params))
 
   def _spec(self, verify: VerifyParams, num_draft: int, max_new_tokens: int,
             eos_token_ids) -> loop.LoopSpec:
@@ -165,10 +168,6 @@ class SpeculativeDecoder:
     tokens, lengths = pad_prompts(prompts, pad_id)
     cache_len = bucket_length(tokens.shape[1] + max_new_tokens + spec.num_draft + 2)
     uses_draft = spec.num_draft > 0
-    args = (self.target_params(),
-            self.draft_params if uses_draft else None,
-            self.head_params if verify.method == "diversed" else None,
-            jnp.asarray(tokens), jnp.asarray(lengths), jax.random.PRNGKey(seed))
     kwargs = dict(spec=spec, target_config=self.target.config,
                   draft=self.draft if uses_draft else None,
                   weight_fn=self.weight_fn if verify.method == "diversed" else None,
@@ -177,18 +176,18 @@ class SpeculativeDecoder:
     if self.mesh is None:
       tail_rows, shard = (len(prompts) if batch_size is None else batch_size), 1
     elif batch_size is None:  # one batch split over 'data': it shrinks by whole shards
-      tail_rows, shard = len(prompts), self.mesh.shape[mesh_lib.DATA]
+      tail_rows, shard = len(prompts), self._placement.size
     else:  # a queue: each device runs its own over its block of the prompts
       devices = split_queue.check_split(self.mesh, len(prompts), batch_size)
       tail_rows, shard = batch_size // devices, 1
       decode_fn, kwargs["mesh"] = split_queue.decode, self.mesh
     kwargs["tail_widths"] = (loop.default_tail_widths(tail_rows, shard) if self.shrink_tail
                              else ())
-    if self.mesh is not None:
-      target_params, draft_params = self._replicated_models
-      args = (target_params, draft_params if uses_draft else None,
-              mesh_lib.place(args[2], mesh_lib.replicated(self.mesh)),
-              *mesh_lib.place(args[3:5], mesh_lib.batch_sharded(self.mesh)), args[5])
+    target_params, draft_params = self._models
+    args = (target_params, draft_params if uses_draft else None,
+            self._placement.params(self.head_params if verify.method == "diversed" else None),
+            *self._placement.rows((jnp.asarray(tokens), jnp.asarray(lengths))),
+            jax.random.PRNGKey(seed))
     signature = (spec, tokens.shape, cache_len, batch_size, kwargs["tail_widths"],
                  self.matmul_precision)
 
