@@ -1,4 +1,4 @@
-"""One round of drafting (`speculative.loop._draft_round`) alone, as the loop runs it.
+"""One round of drafting (`speculative.loop.draft_round`) alone, as the loop runs it.
 
   python benchmarks/draft_round_speed.py [--cases=1x1,1x2,8x1,8x2] [--repeats=9]
 
@@ -17,7 +17,6 @@ import dataclasses
 import os
 import sys
 import time
-import types
 
 from absl import app, flags
 
@@ -63,13 +62,10 @@ def main(_):
     def rounds(params, cache, key):
       def one(i, outputs):
         # Pending tokens, lengths and features vary by round, as the loop's do.
-        state = types.SimpleNamespace(
-            draft_cache=cache,
-            target_cache=types.SimpleNamespace(lengths_b=jnp.full((batch,), 200 + i % 2)),
-            last_two_b2=100 + i % 3 + jnp.arange(2 * batch).reshape(batch, 2),
-            features_b2d=jnp.full((batch, 2, width), 0.1 * (1 + i % 5)))
-        drafts_bk, logits_bsv, _, _ = loop._draft_round(spec, draft, params, state,
-                                                        jax.random.fold_in(key, i))
+        drafts_bk, logits_bsv, _, _ = loop.draft_round(
+            spec, draft, params, cache, jnp.full((batch,), 200 + i % 2),
+            100 + i % 3 + jnp.arange(2 * batch).reshape(batch, 2),
+            jnp.full((batch, 2, width), 0.1 * (1 + i % 5)), jax.random.fold_in(key, i))
         tokens, laws = outputs
         return tokens.at[i].set(drafts_bk), laws.at[i].set(logits_bsv.max(-1))
 

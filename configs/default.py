@@ -91,6 +91,8 @@ def base() -> ml_collections.ConfigDict:
   c.methods.mentored_epsilon = (0.1,)  # mentored decoding grid of the TV budget epsilon
   c.methods.typical_epsilon = 0.3  # Medusa typical acceptance: hard threshold
   c.methods.typical_delta = 0.09  # Medusa typical acceptance: entropy-scaled threshold
+  c.methods.smc_particles = (4,)  # SMC speculative decoding grid of particles per prompt
+  c.methods.smc_ess_threshold = 0.5  # SMC: resample when ESS <= this x particles
 
   c.eval = ml_collections.ConfigDict()
   c.eval.results_file = "results.jsonl"  # per-example results in the workdir (appended, resumable)

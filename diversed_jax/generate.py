@@ -41,6 +41,10 @@ _WEIGHT = flags.DEFINE_float("weight", 0.5, "Static ensemble weight w on the tar
 _CASCADE_RULE = flags.DEFINE_enum("cascade_rule", "opt", CASCADE_RULES, "SpecCascade rule.")
 _CASCADE_ALPHA = flags.DEFINE_float("cascade_alpha", 0.1, "SpecCascade lenience alpha.")
 _EPSILON = flags.DEFINE_float("epsilon", 0.1, "Mentored decoding TV budget.")
+_PARTICLES = flags.DEFINE_integer("particles", 4, "SMC speculative decoding: particles.")
+_ESS_THRESHOLD = flags.DEFINE_float(
+    "ess_threshold", 0.5, "SMC: resample when the effective sample size is at most this "
+    "fraction of the particles.")
 _TASK = flags.DEFINE_string("task", None, "Task whose shipped head to use (diversed; "
                             "default gsm8k).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
@@ -53,7 +57,8 @@ def verify_params_from_flags() -> VerifyParams:
   return VerifyParams(method=_METHOD.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                       lenience=_LENIENCE.value, weight=_WEIGHT.value,
                       cascade_rule=_CASCADE_RULE.value, cascade_alpha=_CASCADE_ALPHA.value,
-                      epsilon=_EPSILON.value)
+                      epsilon=_EPSILON.value, particles=_PARTICLES.value,
+                      ess_threshold=_ESS_THRESHOLD.value)
 
 
 def check_flags() -> VerifyParams:

@@ -120,6 +120,23 @@ def test_method_expansion_carries_temperature_and_grids():
   assert by_name["mentored(eps=0.05)"].verify.epsilon == 0.05
 
 
+def test_smc_settings_and_their_refusals():
+  config = _load("gsm8k", **{"methods.run": "ar,smc", "methods.smc_particles": (2, 8),
+                             "methods.smc_ess_threshold": 0.25})
+  settings = methods.expand(config)
+  assert [s.name for s in settings] == ["ar", "smc(n=2)", "smc(n=8)"]
+  assert (settings[2].verify.particles, settings[2].verify.ess_threshold) == (8, 0.25)
+  validate(config)
+  for field, value, message in [
+      ("methods.smc_particles", (0,), r"methods.smc_particles=\(0,\): value 0: must be >= 1"),
+      ("methods.smc_particles", (2.5,), r"value 2.5: must be an integer"),
+      ("methods.smc_ess_threshold", 1.5, r"methods.smc_ess_threshold=1.5: must be <= 1"),
+      ("decode.temperature", 0.0, r"decode.temperature=0.0: method 'smc' needs temperature"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      validate(_load("gsm8k", **{"methods.run": "ar,smc", field: value}))
+
+
 def test_xsum_local_file_with_its_fields(tmp_path):
   path = tmp_path / "xsum_small.jsonl"
   rows = [{"id": f"x{i}", "document": f"Article number {i}. It rained.",

@@ -139,7 +139,7 @@ def test_chunked_prefill_equals_one_plain_forward(target, kind):
   tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
   want = _reference_prefill(target, draft, params, tokens, lengths, 64)
   for chunk in (2, 16, 32):
-    got = jax.jit(loop._prefill, static_argnums=(1, 2, 6, 7))(
+    got = jax.jit(loop.prefill, static_argnums=(1, 2, 6, 7))(
         target.params, target.config, draft, params, tokens, lengths, 64, chunk)
     for mine, ref in zip(got[:2], want[:2]):  # target cache, then draft cache
       np.testing.assert_allclose(_valid_slots(mine, lengths - 1), _valid_slots(ref, lengths - 1),

@@ -50,6 +50,10 @@ def test_generate_json_for_autoregressive_and_speculative(tiny_model_folder):
                             "--draft=self:2", "--seed=3", with_log=True)
   assert diversed["head"] == "fixed w=0.5" and diversed["num_tokens"] > 0
   assert "runs with a fixed w=0.5 (the static ensemble, not DIVERSED)" in log, log[-2000:]
+  smc = _generate(tiny_model_folder, "--temperature=1", "--method=smc", "--draft=self:1",
+                  "--num_draft=3", "--particles=2")
+  assert smc["acceptance_rate"] == 1.0 and 0.5 <= smc["ess"] <= 1.0
+  assert smc["rounds"] == -(-smc["num_tokens"] // 4)  # every round commits K + 1 tokens
 
 
 def test_generate_rejects_a_draft_with_another_vocabulary(tiny_model_folder, tmp_path):
@@ -72,6 +76,8 @@ def test_generate_rejects_a_draft_with_another_vocabulary(tiny_model_folder, tmp
     (["--temperature=-1"], "--temperature must be >= 0, got -1.0"),
     (["--method=lossy", "--lenience=2"], "--lenience must be in (0, 1], got 2.0"),
     (["--max_new_tokens=0"], "--max_new_tokens must be >= 1, got 0"),
+    (["--method=smc"], "--temperature must be > 0 with method 'smc', got 0.0"),
+    (["--method=smc", "--temperature=1", "--particles=0"], "--particles must be >= 1, got 0"),
 ])
 def test_generate_rejects_bad_flags_before_loading_a_model(flags, message):
   # The target does not exist: the run must stop at the flags, naming the bad one.

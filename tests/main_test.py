@@ -33,7 +33,8 @@ def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
   proc = subprocess.run(
       [sys.executable, "-m", "diversed_jax.main", "--config=configs/gsm8k.py:tiny",
        f"--workdir={workdir}", "--config.mode=train_and_eval",
-       "--config.methods.run=ar,sd,static,diversed", "--config.methods.static_weights=(0.4,0.8)",
+       "--config.methods.run=ar,sd,static,diversed,smc",
+       "--config.methods.static_weights=(0.4,0.8)", "--config.methods.smc_particles=(2,)",
        "--config.decode.temperature=0.5"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -41,7 +42,7 @@ def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
   assert (head / "head.json").is_file()
   rows = json.loads((workdir / "summary.json").read_text())
   assert [r["setting"] for r in rows] == ["ar", "sd", "static(w=0.4)", "static(w=0.8)",
-                                          "diversed"]
+                                          "diversed", "smc(n=2)"]
   for row in rows:
     assert set(REQUIRED) <= set(row)
     assert row["n_examples"] == 4 and row["quality_metric"] == "accuracy"
@@ -52,6 +53,10 @@ def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
   assert by_name["static(w=0.8)"]["params"] == {"weight": 0.8}
   assert by_name["diversed"]["params"]["head"] == str(head)  # the head just trained
   assert 0.0 < by_name["diversed"]["mean_weight"] < 1.0
+  smc = by_name["smc(n=2)"]  # every draft committed, weighed instead
+  assert smc["acceptance_rate"] == 1.0 and 0.5 <= smc["mean_ess"] <= 1.0
+  assert smc["params"] == {"particles": 2, "ess_threshold": 0.5}
+  assert by_name["sd"]["mean_ess"] is None
   with open(workdir / "summary.csv") as f:
     header = next(csv.reader(f))
   assert set(REQUIRED) <= set(header)
@@ -60,7 +65,7 @@ def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
   assert table.strip() in proc.stdout  # printed at the end
   assert (workdir / "pareto.png").stat().st_size > 10_000
   lines = (workdir / "results.jsonl").read_text().splitlines()
-  assert len(lines) == 5 * 4
+  assert len(lines) == 6 * 4
 
 
 class _Stop(Exception):

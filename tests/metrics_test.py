@@ -5,6 +5,7 @@ import types
 
 import jax
 import numpy as np
+import pytest
 
 from diversed_jax.models import ModelConfig, init_params
 from diversed_jax.speculative import drafts, metrics
@@ -40,8 +41,10 @@ def test_summarize_counts_only_active_row_rounds():
                                 [[0.5, 0.5, 0.5], [1.0, 1.0, 1.0]]], np.float32),
       beta_rbk=np.array([[[0.8, 0.6, 0.4], [0.5, 0.5, 0.5]],
                          [[0.9, 0.3, 0.7], [0.1, 0.9, 0.9]],
-                         [[0.4, 0.4, 0.4], [1.0, 1.0, 1.0]]], np.float32))
+                         [[0.4, 0.4, 0.4], [1.0, 1.0, 1.0]]], np.float32),
+      ess_rb=None)
   out = metrics.summarize(stats, num_tokens=9, speculative=True)
+  assert "ess" not in out  # SMC's figure only
   assert out["rounds"] == 5
   assert out["tokens_per_round"] == 9 / 5
   assert out["acceptance_rate"] == 4 / 15  # (3 + 1 + 0 + 0) accepted of 5 x 3 drafts
@@ -52,3 +55,6 @@ def test_summarize_counts_only_active_row_rounds():
   np.testing.assert_allclose(out["expected_accepted_theory"], np.mean(by_hand), rtol=1e-6)
   plain = metrics.summarize(stats, num_tokens=9, speculative=False)
   assert plain["acceptance_rate"] == 0.0 and plain["tokens_per_round"] == 9 / 5
+  stats.ess_rb = np.array([[0.5, 1.0], [0.25, 1.0], [0.75, 0.0]], np.float32)
+  ess = metrics.summarize(stats, 9, speculative=True)["ess"]  # the idle row-round left out
+  assert ess == pytest.approx((0.5 + 1 + 0.25 + 1 + 0.75) / 5)

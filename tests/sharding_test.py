@@ -1,5 +1,5 @@
-"""The speculative loop (also with a queue, one per device) and the head's teacher-forced
-pass run unchanged on a data-parallel mesh (4 fake CPU devices)."""
+"""The speculative loop (also with a queue, one per device), SMC decoding and the head's
+teacher-forced pass run unchanged on a data-parallel mesh (4 fake CPU devices)."""
 
 import os
 import subprocess
@@ -61,6 +61,22 @@ _SCRIPT = textwrap.dedent("""
       raise AssertionError("6 prompts over 4 devices were not refused")
     except ValueError as e:
       assert "6 prompts through batch_size=4 rows: a queue is split over the 4" in str(e), e
+    # SMC: each call's prompts split over the devices with their particles, resampled
+    # every round: the one-device samples.
+    outs = []
+    for mesh in (None, mesh_lib.make_mesh()):
+      d = dec.SpeculativeDecoder(dec.ModelHandle(cfg, tp), drafts.LMDraft(dcfg), dp,
+                                 mesh=mesh)
+      outs.append(d.generate(prompts, VerifyParams(method="smc", particles=3,
+                                                   ess_threshold=1.0),
+                             num_draft=2, max_new_tokens=9, seed=5, eos_token_ids=(),
+                             batch_size=4))
+    assert outs[0].token_ids == outs[1].token_ids, (outs[0].token_ids, outs[1].token_ids)
+    try:
+      d.generate(prompts[:6], VerifyParams(method="smc"), batch_size=3)
+      raise AssertionError("3 prompts a call over 4 devices were not refused")
+    except ValueError as e:
+      assert "splits the 3 prompts of a call over 4 devices" in str(e), e
     # The head's teacher-forced pass: rows split over the 4 devices (a chunk of 3 rows is
     # rounded up to 4), the values those of one device.
     from diversed_jax.training import teacher_forced as tf_lib

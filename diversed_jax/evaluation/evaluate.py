@@ -99,6 +99,8 @@ def row_figures(stats, prompt: int, num_tokens: int, speculative: bool,
          "theory": figures["expected_accepted_theory"] * rounds}
   if with_weights and served.any():
     out["weight"] = mean_committed_weight(stats, served)
+  if "ess" in figures:
+    out["ess"] = figures["ess"]
   return out
 
 

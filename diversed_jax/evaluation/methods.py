@@ -9,6 +9,8 @@
   diversed       the dynamic ensemble w_t = head(h_q,t, h_p,t) (a trained head)
   mentored       mentored decoding, one per TV budget epsilon in methods.mentored_epsilon
   typical        Medusa typical acceptance
+  smc            SMC speculative decoding, one per particle count in methods.smc_particles
+                 (sampling only: decode.temperature > 0)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from diversed_jax.speculative.types import VerifyParams
 
 FAMILIES = ("ar", "sd", "sd_finetuned", "lossy", "cascade", "static", "diversed", "mentored",
-            "typical")
+            "typical", "smc")
 # Families drawn as curves on the frontier plot (one line per family, over its grid).
 CURVES = ("lossy", "static", "mentored")
 
@@ -94,6 +96,12 @@ def expand(config) -> list[MethodSetting]:
                            typical_delta=float(m.typical_delta)),
                       [("epsilon", float(m.typical_epsilon)),
                        ("delta", float(m.typical_delta))]))
+    elif family == "smc":
+      threshold = float(m.smc_ess_threshold)
+      out += [make(f"smc(n={int(n)})", family,
+                   dict(method="smc", particles=int(n), ess_threshold=threshold),
+                   [("particles", int(n)), ("ess_threshold", threshold)])
+              for n in m.smc_particles]
     else:
       raise ValueError(f"methods.run: unknown method {family!r}; choose from {list(FAMILIES)}")
   return out

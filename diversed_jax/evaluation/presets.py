@@ -25,11 +25,12 @@ VARIANTS = ("", "embedded", "tiny") + tuple(PAIRS)
 
 
 def _paper_grids(c: ml_collections.ConfigDict) -> None:
-  c.methods.run = "ar,sd,sd_finetuned,lossy,cascade,static,diversed,mentored,typical"
+  c.methods.run = "ar,sd,sd_finetuned,lossy,cascade,static,diversed,mentored,typical,smc"
   c.methods.lenience = (0.1, 0.3, 0.5, 0.7, 0.9)
   c.methods.static_weights = (0.1, 0.3, 0.5, 0.7, 0.9)
   c.methods.cascade_rules = ("chow", "diff", "opt")
   c.methods.mentored_epsilon = (0.05, 0.1, 0.2, 0.4)
+  c.methods.smc_particles = (4, 8)
   c.task.limit = 0
   c.decode.batch_size = 16
 

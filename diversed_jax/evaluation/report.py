@@ -21,7 +21,7 @@ from diversed_jax.evaluation.methods import CURVES
 
 COLUMNS = ("method", "setting", "params", "dataset", "n_examples", "acceptance_rate",
            "tokens_per_round", "mean_accepted", "expected_accepted_theory", "mean_weight",
-           "quality_metric", "quality", "quality_stderr", "tokens_per_second",
+           "mean_ess", "quality_metric", "quality", "quality_stderr", "tokens_per_second",
            "speedup_vs_ar", "seconds")
 
 
@@ -34,6 +34,7 @@ def _row(setting, records: Sequence[dict], extra: dict, dataset: str, metric: st
   seconds = sum(r["seconds"] for r in records)
   rewards = np.asarray([r["reward"] for r in records], np.float64)
   weights = [r["weight"] for r in records if "weight" in r]
+  ess = [r["ess"] for r in records if "ess" in r]  # method 'smc' only
   return {
       "method": setting.family, "setting": setting.name,
       "params": {**setting.params_dict, **extra}, "dataset": dataset, "n_examples": n,
@@ -42,6 +43,7 @@ def _row(setting, records: Sequence[dict], extra: dict, dataset: str, metric: st
       "mean_accepted": accepted / rounds if rounds else 0.0,
       "expected_accepted_theory": sum(r["theory"] for r in records) / rounds if rounds else 0.0,
       "mean_weight": float(np.mean(weights)) if weights else None,
+      "mean_ess": float(np.mean(ess)) if ess else None,
       "quality_metric": metric, "quality": float(rewards.mean()) if n else None,
       "quality_stderr": float(rewards.std(ddof=1) / math.sqrt(n)) if n > 1 else None,
       "tokens_per_second": tokens / seconds if seconds else 0.0,

@@ -64,14 +64,14 @@ def _check_number(field, value, low=None, high=None, low_open=False, integer=Fal
     _fail(field, value, f"must be <= {high}")
 
 
-def _check_grid(field, values, low, high, low_open):
+def _check_grid(field, values, low, high, low_open, integer=False):
   if isinstance(values, (int, float)):
     values = (values,)
   if not values:
     _fail(field, tuple(values), "needs at least one value for the selected method")
   for v in values:
     try:
-      _check_number(field, v, low, high, low_open)
+      _check_number(field, v, low, high, low_open, integer)
     except ValueError as err:
       _fail(field, tuple(values), f"value {v!r}: {str(err).split(': ', 1)[1]}")
 
@@ -139,6 +139,14 @@ def _check_methods(config) -> None:
   if "typical" in names:
     _check_number("methods.typical_epsilon", m.typical_epsilon, 0.0, 1.0, low_open=True)
     _check_number("methods.typical_delta", m.typical_delta, 0.0, low_open=True)
+  if "smc" in names:
+    _check_grid("methods.smc_particles", m.smc_particles, 1, None, low_open=False,
+                integer=True)
+    _check_number("methods.smc_ess_threshold", m.smc_ess_threshold, 0.0, 1.0)
+    if config.decode.temperature == 0:
+      _fail("decode.temperature", config.decode.temperature,
+            "method 'smc' needs temperature > 0 (it weighs drafts by p/q, which greedy "
+            "laws make 0 or 1)")
 
 
 def validate(config) -> None:

@@ -21,7 +21,7 @@ from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
 from diversed_jax.parallel import hosts
 from diversed_jax.parallel import mesh as mesh_lib
-from diversed_jax.speculative import loop, metrics, programs, split_queue
+from diversed_jax.speculative import loop, metrics, programs, smc, split_queue
 from diversed_jax.speculative.types import VerifyParams
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -156,7 +156,8 @@ class SpeculativeDecoder:
                batch_size: int | None = None) -> Generation:
     """Decodes `prompts` (token lists). `batch_size`: rows decoded at once; None decodes
     all prompts as one batch, a smaller value queues the rest and refills finished rows
-    (continuous batching; all prompts share one length bucket)."""
+    (continuous batching; all prompts share one length bucket). Method 'smc' decodes
+    `batch_size` prompts at a time instead, each with its `verify.particles` rows."""
     if batch_size is not None and not 1 <= batch_size <= len(prompts):
       raise ValueError(f"batch_size={batch_size} must be in [1, {len(prompts)}] "
                        "(the number of prompts) or None")
@@ -167,6 +168,8 @@ class SpeculativeDecoder:
     spec = self._spec(verify, num_draft, max_new_tokens, eos_token_ids)
     tokens, lengths = pad_prompts(prompts, pad_id)
     cache_len = bucket_length(tokens.shape[1] + max_new_tokens + spec.num_draft + 2)
+    if verify.method == "smc":
+      return self._generate_smc(spec, tokens, lengths, cache_len, seed, batch_size)
     uses_draft = spec.num_draft > 0
     kwargs = dict(spec=spec, target_config=self.target.config,
                   draft=self.draft if uses_draft else None,
@@ -188,24 +191,81 @@ class SpeculativeDecoder:
             self._placement.params(self.head_params if verify.method == "diversed" else None),
             *self._placement.rows((jnp.asarray(tokens), jnp.asarray(lengths))),
             jax.random.PRNGKey(seed))
-    signature = (spec, tokens.shape, cache_len, batch_size, kwargs["tail_widths"],
-                 self.matmul_precision)
+    signature = (spec, tokens.shape, cache_len, batch_size, kwargs["tail_widths"])
+    result, seconds, compile_seconds = self._run(decode_fn, args, kwargs, signature)
+    return _generation(result, len(prompts), seconds, compile_seconds)
 
+  def _run(self, decode_fn, args, kwargs, signature):
+    """Runs `decode_fn` compiled once per `signature` (and precision): (host result,
+    seconds of the compiled call, seconds spent compiling it)."""
     def compile_program():
       with jax.default_matmul_precision(self.matmul_precision):
         return decode_fn.lower(*args, **kwargs).compile()
 
     start = time.perf_counter()
-    program, compiled = self.programs.get(signature, compile_program)
+    program, compiled = self.programs.get((*signature, self.matmul_precision),
+                                          compile_program)
     compile_seconds = time.perf_counter() - start if compiled else 0.0
     start = time.perf_counter()
     result = jax.block_until_ready(program(*args))
     seconds = time.perf_counter() - start
-    result = hosts.fetch(result)  # jax.device_get, gathering rows held by other hosts
-    rounds = int(result.num_rounds)
-    stats = jax.tree.map(lambda x: np.asarray(x)[:rounds], result.stats)
-    token_ids = [row[:n].tolist() for row, n in zip(result.tokens_qn, result.num_generated_q)]
-    accepted = [stats.num_accepted_rb[metrics.served_mask(stats, q)].tolist()
-                for q in range(len(prompts))]
-    return Generation(token_ids=token_ids, rounds=rounds, accepted_per_round=accepted,
-                      stats=stats, seconds=seconds, compile_seconds=compile_seconds)
+    return hosts.fetch(result), seconds, compile_seconds  # rows held by other hosts too
+
+  def _generate_smc(self, spec: loop.LoopSpec, tokens, lengths, cache_len: int, seed: int,
+                    batch_size: int | None) -> Generation:
+    """SMC speculative decoding (`smc.decode`), `batch_size` prompts a call (the last call
+    padded with copies of its last prompt, so all calls share one program), each call's
+    key folded with its first prompt's index. The calls' rounds are stacked."""
+    num_prompts = tokens.shape[0]
+    size = num_prompts if batch_size is None else batch_size
+    if self.mesh is not None and size % self._placement.size:
+      raise ValueError(f"method 'smc' splits the {size} prompts of a call over "
+                       f"{self._placement.size} devices: they must divide")
+    kwargs = dict(spec=spec, target_config=self.target.config, draft=self.draft,
+                  cache_len=cache_len, prefill_chunk=self.prefill_chunk)
+    target_params, draft_params = self._models
+    parts = []
+    for start in range(0, num_prompts, size):
+      rows = np.minimum(np.arange(start, start + size), num_prompts - 1)
+      args = (target_params, draft_params,
+              *self._placement.rows((jnp.asarray(tokens[rows]), jnp.asarray(lengths[rows]))),
+              jax.random.fold_in(jax.random.PRNGKey(seed), start))
+      parts.append((start, *self._run(smc.decode, args, kwargs,
+                                       ("smc", spec, (size, tokens.shape[1]), cache_len))))
+    result = _stack_calls(parts, num_prompts)
+    return _generation(result, num_prompts, sum(p[2] for p in parts),
+                       sum(p[3] for p in parts))
+
+
+def _stack_calls(parts, num_prompts: int) -> loop.DecodeResult:
+  """One DecodeResult from calls over consecutive blocks of the prompts: [(first prompt,
+  result, ...)]. Rounds follow each other; `prompt_rb` indexes the whole list, and the
+  last call's padding prompts are inactive (their time is the call's, their tokens none)."""
+  results = [p[1] for p in parts]
+  trimmed = [jax.tree.map(lambda x, r=int(res.num_rounds): np.asarray(x)[:r], res.stats)
+             for res in results]
+  stats = jax.tree.map(lambda *xs: np.concatenate(xs), *trimmed)
+  offsets = np.concatenate([np.full(int(res.num_rounds), start)
+                            for (start, *_), res in zip(parts, results)])
+  prompt_rb = stats.prompt_rb + offsets[:, None]
+  # The padding of the last call is not output: its rounds count for no prompt.
+  stats = stats.replace(prompt_rb=prompt_rb,
+                        active_rb=stats.active_rb & (prompt_rb < num_prompts))
+  return loop.DecodeResult(
+      tokens_qn=np.concatenate([np.asarray(r.tokens_qn) for r in results])[:num_prompts],
+      num_generated_q=np.concatenate([np.asarray(r.num_generated_q)
+                                      for r in results])[:num_prompts],
+      num_rounds=sum(int(r.num_rounds) for r in results), stats=stats)
+
+
+def _generation(result: loop.DecodeResult, num_prompts: int, seconds: float,
+                compile_seconds: float) -> Generation:
+  """Host-side results of `num_prompts` prompts (the result may hold padding past them)."""
+  rounds = int(result.num_rounds)
+  stats = jax.tree.map(lambda x: np.asarray(x)[:rounds], result.stats)
+  token_ids = [row[:n].tolist() for row, n in zip(result.tokens_qn[:num_prompts],
+                                                   result.num_generated_q[:num_prompts])]
+  accepted = [stats.num_accepted_rb[metrics.served_mask(stats, q)].tolist()
+              for q in range(num_prompts)]
+  return Generation(token_ids=token_ids, rounds=rounds, accepted_per_round=accepted,
+                    stats=stats, seconds=seconds, compile_seconds=compile_seconds)

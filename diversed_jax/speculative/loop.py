@@ -47,7 +47,7 @@ from diversed_jax.speculative.types import METHODS, VerifyParams
 BONUS_NEEDS_DRAFT = ("static", "static_logit", "diversed", "cascade")
 
 # Prompt tokens per prefill pass: divides every prompt bucket from 64 up, and is short
-# enough that a short prompt in a wide bucket skips most of its padding (see `_prefill`).
+# enough that a short prompt in a wide bucket skips most of its padding (see `prefill`).
 PREFILL_CHUNK = 64
 
 # (head_params, h_q [..., Dq], h_p [..., Dp]) -> w [...], the weight on the target.
@@ -96,6 +96,7 @@ class RoundStats:
   beta_rbk: jax.Array  # sum_x q_i a_i, the expected acceptance (Verdict.beta_bk)
   weights_rbk: jax.Array  # w_i on the target (K+1 positions; zeros for rules without a w)
   width_r: jax.Array  # int32, the rows the round ran: B, or a tail width (`tail_widths`)
+  ess_rb: jax.Array | None = None  # 'smc' only: effective sample size / particles
 
 
 @flax.struct.dataclass
@@ -131,16 +132,18 @@ def _first_index(mask_bk: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(mask_bk, jnp.arange(k), k), axis=-1)
 
 
-def _draft_round(spec: LoopSpec, draft, draft_params, state: _State, key):
-  """Runs the draft for one round.
+def draft_round(spec: LoopSpec, draft, draft_params, draft_cache, target_lengths_b,
+                last_two_b2, features_b2d, key):
+  """Runs the draft for one round from the loop's cache convention (module doc): the
+  draft catches up on the last two committed tokens, then samples `spec.num_draft_steps`.
 
   Returns drafts_bk [B, K], draft_logits_bsv [B, steps, V], draft_hidden_bsd, cache.
   """
   vp = spec.verify
-  cache = state.draft_cache.with_lengths(state.target_cache.lengths_b - 1)
+  cache = draft_cache.with_lengths(target_lengths_b - 1)
   # Two tokens in, the last one's law out (see drafts.py).
-  logits, hidden, cache = draft.forward(draft_params, state.last_two_b2, cache,
-                                        state.features_b2d, last_only=True)
+  logits, hidden, cache = draft.forward(draft_params, last_two_b2, cache, features_b2d,
+                                        last_only=True)
   first = (logits[:, -1], hidden[:, -1])
 
   sample = functools.partial(distributions.sample_logits, temperature=vp.temperature,
@@ -176,8 +179,9 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
     draft_cache = state.draft_cache
     drafts_bk = jnp.zeros((b, 0), jnp.int32)
   else:
-    drafts_bk, draft_logits, draft_hidden, draft_cache = _draft_round(
-        spec, draft, draft_params, state, draft_key)
+    drafts_bk, draft_logits, draft_hidden, draft_cache = draft_round(
+        spec, draft, draft_params, state.draft_cache, state.target_cache.lengths_b,
+        state.last_two_b2, state.features_b2d, draft_key)
 
   target_in = jnp.concatenate([state.last_two_b2[:, 1:], drafts_bk], axis=1)
   target_logits, target_hidden, target_cache = transformer.forward(
@@ -292,7 +296,7 @@ def _pass_counts(num_tokens, chunk: int) -> tuple[jax.Array, jax.Array]:
   return whole + (quarters > 2), jnp.where(quarters > 2, 0, quarters)
 
 
-def _prefill(target_params, target_config: ModelConfig, draft, draft_params, prompt_bp,
+def prefill(target_params, target_config: ModelConfig, draft, draft_params, prompt_bp,
              prompt_lengths_b, cache_len: int, chunk: int):
   """Fresh caches of both models holding each prompt but its last token (the pending x0).
 
@@ -359,7 +363,7 @@ def _refill(target_config: ModelConfig, draft, params, prompt_qp, prompt_lengths
 
   def refill_one(s: _State) -> _State:
     row, n = jnp.argmax(s.done_b), s.next_prompt
-    target_cache, draft_cache, last_two, features = _prefill(
+    target_cache, draft_cache, last_two, features = prefill(
         target_params, target_config, draft, draft_params,
         jax.lax.dynamic_slice_in_dim(prompt_qp, n, 1),
         jax.lax.dynamic_slice_in_dim(prompt_lengths_q, n, 1), cache_len, prefill_chunk)
@@ -416,7 +420,7 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     batch_size: rows decoded at once, B <= Q (None: all Q). With B < Q the first B
       prompts start and the others queue; each finished row takes the next queued
       prompt (continuous batching).
-    prefill_chunk: prompt tokens per prefill pass (see `_prefill`).
+    prefill_chunk: prompt tokens per prefill pass (see `prefill`).
     tail_widths: decreasing batch widths below B: once the queue is empty and at most W
       rows are unfinished, the loop continues with those rows only (one more compiled
       round per width; `default_tail_widths` halves). () keeps all B rows to the end.
@@ -434,10 +438,12 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     raise ValueError(f"tail_widths={tail_widths} must decrease from below the batch size "
                      f"{b} to >= 1")
   k = spec.num_draft
+  if spec.verify.method == "smc":
+    raise ValueError("method 'smc' weighs particles instead of verifying: smc.decode runs it")
   if spec.verify.method == "diversed" and weight_fn is None:
     raise ValueError("method 'diversed' needs an ensemble head (weight_fn)")
 
-  target_cache, draft_cache, last_two, features_b2d = _prefill(
+  target_cache, draft_cache, last_two, features_b2d = prefill(
       target_params, target_config, draft, draft_params, prompt_qp[:b],
       prompt_lengths_q[:b], cache_len, prefill_chunk)
 

@@ -25,6 +25,8 @@ def summarize(stats, num_tokens: int, speculative: bool) -> dict:
   proposed drafts), tokens_per_round, mean_accepted (drafts per round) and
   expected_accepted_theory (the min-kernel estimator sum_n (prod_{i<n} a_i) beta_n of
   methods.md, averaged over rounds: E[accepted drafts per round] predicted from a and beta).
+  Method 'smc' commits every draft (acceptance 1) and adds `ess`, the mean effective
+  sample size over the particles before resampling.
   """
   active = np.asarray(stats.active_rb, bool)
   row_rounds = int(active.sum())
@@ -32,6 +34,9 @@ def summarize(stats, num_tokens: int, speculative: bool) -> dict:
   k = np.asarray(stats.accept_prob_rbk).shape[-1]
   out = {"rounds": row_rounds,
          "tokens_per_round": num_tokens / max(row_rounds, 1)}
+  if stats.ess_rb is not None:
+    ess = np.asarray(stats.ess_rb)[active]
+    out["ess"] = float(ess.mean()) if ess.size else 0.0
   if not speculative or k == 0:
     out.update(acceptance_rate=0.0, mean_accepted=0.0, expected_accepted_theory=0.0)
     return out

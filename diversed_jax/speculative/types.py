@@ -11,7 +11,7 @@ import flax.struct
 import jax
 
 METHODS = ("ar", "sd", "lossy", "static", "static_logit", "diversed", "cascade", "mentored",
-           "typical")
+           "typical", "smc")
 CASCADE_RULES = ("chow", "diff", "opt", "v1", "v2", "v3")
 
 
@@ -27,6 +27,9 @@ class VerifyParams:
   cascade_rule, cascade_alpha: SpecCascade deferral rule and its lenience alpha.
   epsilon: TV budget of mentored decoding.
   typical_epsilon, typical_delta: Medusa typical-acceptance thresholds.
+  particles, ess_threshold: SMC speculative decoding ('smc', see smc.py): drafts per
+    prompt, and the effective sample size, as a fraction of `particles`, below which a
+    prompt's particles are resampled (0 never resamples, 1 after every round).
   """
   method: str = "sd"
   temperature: float = 1.0
@@ -38,6 +41,8 @@ class VerifyParams:
   epsilon: float = 0.1
   typical_epsilon: float = 0.3
   typical_delta: float = 0.09
+  particles: int = 4
+  ess_threshold: float = 0.5
 
 
 @flax.struct.dataclass

@@ -59,6 +59,11 @@ def validate_params(params: VerifyParams, prefix: str = "VerifyParams.") -> None
       ("epsilon", params.epsilon >= 0, ">= 0"),
       ("typical_epsilon", params.typical_epsilon >= 0, ">= 0"),
       ("typical_delta", params.typical_delta >= 0, ">= 0"),
+      ("particles", params.particles >= 1, ">= 1"),
+      ("ess_threshold", 0 <= params.ess_threshold <= 1, "in [0, 1]"),
+      # Importance weights p/q of one-hot laws are 0 or undefined: nothing to weigh.
+      ("temperature", params.method != "smc" or params.temperature > 0,
+       "> 0 with method 'smc'"),
   )
   for name, ok, want in checks:
     if not ok:
@@ -370,13 +375,15 @@ RULES: dict[str, Rule] = {
     "sd": exact, "lossy": lossy, "static": static, "static_logit": static_logit,
     "diversed": diversed, "cascade": cascade, "mentored": mentored, "typical": typical,
 }
-assert set(RULES) == set(METHODS) - {"ar"}
+# 'ar' drafts nothing; 'smc' weighs every draft instead of accepting some (smc.py).
+assert set(RULES) == set(METHODS) - {"ar", "smc"}
 
 
 def get_rule(method: str) -> Rule:
   """The rule registered under `method`; ValueError naming it and the choices otherwise."""
   if method not in RULES:
-    extra = " ('ar' decodes without drafts and has no rule)" if method == "ar" else ""
+    extra = {"ar": " ('ar' decodes without drafts and has no rule)",
+             "smc": " ('smc' weighs particles instead: speculative.smc)"}.get(method, "")
     raise ValueError(f"no verification rule for method {method!r}{extra}; "
                      f"choices: {tuple(RULES)}")
   return RULES[method]

@@ -1,0 +1,183 @@
+"""SMC speculative decoding (speculative/smc.py) on tiny random models: the output law
+against the exact target law, resampling, stopping, the decoder's calls, refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diversed_jax.models import ModelConfig, init_params, transformer
+from diversed_jax.speculative import decoder as decoder_lib
+from diversed_jax.speculative import drafts, loop, metrics, smc, verification
+from diversed_jax.speculative.types import VerifyParams
+
+VOCAB = 11
+PROMPT = [1, 2, 3, 4]
+
+
+def _tiny(seed, layers, std):
+  config = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=32, num_layers=layers,
+                       num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48)
+  return config, init_params(config, jax.random.PRNGKey(seed), std=std)
+
+
+@pytest.fixture(scope="module")
+def models():
+  """A peaked target and a flat draft (std 0.1): TV(p, q) = 0.81 over two tokens, far
+  enough that a wrong weight shows, and a proposal that covers the target's mass."""
+  target_config, target_params = _tiny(0, layers=2, std=0.5)
+  draft_config, draft_params = _tiny(1, layers=1, std=0.1)
+  return target_config, target_params, drafts.LMDraft(draft_config), draft_params
+
+
+def _next_laws(config, params, prefixes) -> np.ndarray:
+  logits = transformer.forward_jit(params, config, jnp.asarray(prefixes))[0][:, -1]
+  return np.asarray(jax.nn.softmax(logits), np.float64)
+
+
+def _decode(models, rows, particles, max_new_tokens, ess_threshold=0.5, seed=3, eos=()):
+  target_config, target_params, draft, draft_params = models
+  spec = loop.LoopSpec(verify=VerifyParams(method="smc", particles=particles,
+                                           ess_threshold=ess_threshold),
+                       num_draft=1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+  tokens = jnp.asarray([PROMPT + [0] * 4] * rows, jnp.int32)
+  return smc.decode(target_params, draft_params, tokens, jnp.full((rows,), len(PROMPT)),
+                    jax.random.PRNGKey(seed), spec=spec, target_config=target_config,
+                    draft=draft, cache_len=16)
+
+
+def _tv(counts, law) -> float:
+  return 0.5 * float(np.abs(counts / counts.sum() - law).sum())
+
+
+def _pair_counts(tokens) -> np.ndarray:
+  counts = np.zeros((VOCAB, VOCAB))
+  np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+  return counts
+
+
+def test_effective_sample_size_of_equal_and_degenerate_weights():
+  log_w = jnp.log(jnp.asarray([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0],
+                               [2.0, 2.0, 0.0, 0.0]]))
+  np.testing.assert_allclose(smc.effective_sample_size(log_w), [4.0, 1.0, 2.0], rtol=1e-6)
+
+
+def test_systematic_resampling_draws_each_particle_about_n_w_times():
+  weights = np.asarray([0.5, 0.3, 0.2, 0.0, 0.0])
+  log_w = jnp.log(jnp.asarray(np.tile(weights, (2000, 1))))
+  ancestors = np.asarray(smc.systematic_resample(jax.random.PRNGKey(0), log_w))
+  counts = np.stack([(ancestors == i).sum(1) for i in range(5)], axis=1)
+  # Systematic: floor(N w_i) or ceil(N w_i) copies, never a zero weight, N in all.
+  expected = 5 * weights
+  assert np.all((counts >= np.floor(expected)) & (counts <= np.ceil(expected)))
+  assert counts[:, 3:].sum() == 0 and np.all(counts.sum(1) == 5)
+  np.testing.assert_allclose(counts.mean(0), expected, atol=0.05)  # unbiased
+
+
+def test_one_round_law_approaches_the_target_as_particles_grow(models):
+  """K = 1, two tokens: x1 drafted and weighed by p/q, x2 the target's bonus token.
+  One particle outputs q(x1) p(x2|x1); 32 particles, the target's p(x1) p(x2|x1).
+  3,000 prompts; tolerance 0.07 (the 121-cell joint's sampling error at this size is about
+  0.03, and self-normalised weights over 32 particles leave a bias of about as much)."""
+  target_config, target_params, draft, draft_params = models
+  p1 = _next_laws(target_config, target_params, [PROMPT])[0]
+  q1 = _next_laws(draft.config, draft_params, [PROMPT])[0]
+  p2 = _next_laws(target_config, target_params, [PROMPT + [x] for x in range(VOCAB)])
+  target_law, draft_then_target = p1[:, None] * p2, q1[:, None] * p2
+  assert 0.5 * np.abs(target_law - draft_then_target).sum() > 0.5  # the test can fail
+  one = _pair_counts(np.asarray(_decode(models, 3000, 1, 2).tokens_qn))
+  assert _tv(one, draft_then_target) < 0.05
+  many = _pair_counts(np.asarray(_decode(models, 3000, 32, 2).tokens_qn))
+  assert _tv(many, target_law) < 0.07, _tv(many, target_law)
+
+
+def test_resampling_keeps_later_rounds_near_the_target(models):
+  """Two rounds (4 tokens). Resampling after every round resets the weights, so the
+  second round's draft weighs alone; never resampling multiplies both rounds' weights
+  and leaves fewer effective particles. 2,000 prompts of 32 particles."""
+  target_config, target_params, _, _ = models
+  p1 = _next_laws(target_config, target_params, [PROMPT])[0]
+  p2 = _next_laws(target_config, target_params, [PROMPT + [x] for x in range(VOCAB)])
+  joint12 = p1[:, None] * p2
+  p3 = _next_laws(target_config, target_params,
+                  [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
+  law3 = joint12.reshape(-1) @ p3
+  always = _decode(models, 2000, 32, 4, ess_threshold=1.0)
+  never = _decode(models, 2000, 32, 4, ess_threshold=0.0)
+  tokens_always, tokens_never = np.asarray(always.tokens_qn), np.asarray(never.tokens_qn)
+  assert _tv(_pair_counts(tokens_always), joint12) < 0.1
+  assert _tv(np.bincount(tokens_always[:, 2], minlength=VOCAB).astype(float), law3) < 0.08
+  assert (_tv(_pair_counts(tokens_always), joint12) + 0.05
+          < _tv(_pair_counts(tokens_never), joint12))
+  # The weights before each resampling: a flat draft leaves few effective particles.
+  ess = np.asarray(always.stats.ess_rb)
+  assert np.all((ess > 0) & (ess <= 1)) and ess.mean() < 0.5
+
+
+def test_a_draft_equal_to_the_target_weighs_every_particle_alike(models):
+  """q = p at every drafted position iff the draft's and the target's caches hold the
+  same committed tokens; then every weight is 1 and the ESS stays at N."""
+  target_config, target_params, _, _ = models
+  clone = (target_config, target_params, drafts.LMDraft(target_config), target_params)
+  result = _decode(clone, 8, 4, 9)
+  assert int(result.num_rounds) == 5
+  np.testing.assert_allclose(np.asarray(result.stats.ess_rb), 1.0, rtol=1e-5)
+
+
+def test_particles_stop_at_eos_and_the_length_limit(models):
+  """K = 2 and 7 tokens, not a multiple of K + 1 = 3: outputs end at their first EOS or
+  at 7 tokens, within ceil(7 / 3) rounds."""
+  target_config, target_params, draft, draft_params = models
+  eos = 10
+  spec = loop.LoopSpec(verify=VerifyParams(method="smc", particles=4), num_draft=2,
+                       max_new_tokens=7, eos_token_ids=(eos,))
+  rows = 64
+  result = smc.decode(target_params, draft_params, jnp.asarray([PROMPT + [0] * 4] * rows),
+                      jnp.full((rows,), 4), jax.random.PRNGKey(0), spec=spec,
+                      target_config=target_config, draft=draft, cache_len=16)
+  assert int(result.num_rounds) <= 3 == smc.num_rounds(spec)
+  lengths = np.asarray(result.num_generated_q)
+  tokens = np.asarray(result.tokens_qn)
+  assert lengths.max() == 7 and lengths.min() < 7  # both stops happen
+  for row, n in zip(tokens, lengths):
+    assert eos not in row[:n - 1].tolist()
+    assert n == 7 or row[n - 1] == eos
+
+
+def test_the_decoder_runs_smc_batch_size_prompts_a_call(models):
+  target_config, target_params, draft, draft_params = models
+  dec = decoder_lib.SpeculativeDecoder(decoder_lib.ModelHandle(target_config, target_params),
+                                       draft, draft_params)
+  prompts = [[1, 2, 3, 4, 5], [7, 3], [2, 9, 9, 1, 4], [5, 6, 7], [3, 3]]
+  verify = VerifyParams(method="smc", particles=4)
+  out = dec.generate(prompts, verify, num_draft=2, max_new_tokens=6, eos_token_ids=(),
+                     batch_size=2, seed=5)
+  assert [len(t) for t in out.token_ids] == [6] * 5
+  assert len(dec.programs) == 1  # three calls, the last padded to two prompts
+  # The first call alone draws the same tokens (its key is the seed's, folded with 0).
+  first = dec.generate(prompts[:2], verify, num_draft=2, max_new_tokens=6, eos_token_ids=(),
+                       seed=5)
+  assert first.token_ids == out.token_ids[:2]
+  # Rounds of the three calls follow each other, each prompt served in two (3 tokens each).
+  assert out.rounds == 6 and all(a == [2, 2] for a in out.accepted_per_round)
+  summary = metrics.summarize_generation(out, speculative=True)
+  assert summary["acceptance_rate"] == 1.0 and summary["tokens_per_round"] == 3.0
+  assert 0 < summary["ess"] <= 1
+
+
+def test_smc_refuses_greedy_decoding_and_bad_particles(models):
+  with pytest.raises(ValueError, match=r"temperature must be > 0 with method 'smc', got 0"):
+    verification.validate_params(VerifyParams(method="smc", temperature=0.0))
+  with pytest.raises(ValueError, match=r"particles must be >= 1, got 0"):
+    verification.validate_params(VerifyParams(method="smc", particles=0))
+  with pytest.raises(ValueError, match=r"ess_threshold must be in \[0, 1\], got 1.5"):
+    verification.validate_params(VerifyParams(method="smc", ess_threshold=1.5))
+  target_config, target_params, draft, draft_params = models
+  args = (jnp.asarray([PROMPT + [0] * 4]), jnp.asarray([4]), jax.random.PRNGKey(0))
+  kwargs = dict(target_config=target_config, draft=draft, cache_len=16)
+  greedy = loop.LoopSpec(verify=VerifyParams(method="smc", temperature=0.0), num_draft=1)
+  with pytest.raises(ValueError, match="temperature must be > 0"):
+    smc.decode(target_params, draft_params, *args, spec=greedy, **kwargs)
+  sampled = loop.LoopSpec(verify=VerifyParams(method="smc"), num_draft=1)
+  with pytest.raises(ValueError, match="smc.decode runs it"):
+    loop.decode(target_params, draft_params, None, *args, spec=sampled, **kwargs)
