@@ -131,7 +131,8 @@ def plot_pareto(rows: Sequence[dict], path: str) -> str:
     ax.set_xlabel(f"task quality ({metric})")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=8, loc="best")
+  if axes[0].get_legend_handles_labels()[0]:  # a grid family was run
+    axes[0].legend(fontsize=8, loc="best")
   fig.suptitle(rows[0]["dataset"] if rows else "")
   fig.tight_layout()
   fig.savefig(path, dpi=120)

@@ -98,6 +98,51 @@ def _take_particles(state: _State, rows_b: jax.Array) -> _State:
       done_b=take(state.done_b))
 
 
+def _commit(spec: loop.LoopSpec, state: _State, round_tokens_bk1, log_ratio_bk) -> _State:
+  """Every unfinished particle appends the round's K + 1 tokens, up to its first EOS and
+  the length limit, and multiplies its weight by p/q of the drafts it kept."""
+  k = spec.num_draft
+  positions_k1 = jnp.arange(k + 1)
+  count = jnp.full(round_tokens_bk1.shape[:1], k + 1, jnp.int32)
+  if spec.eos_token_ids:
+    is_eos = jnp.isin(round_tokens_bk1, jnp.asarray(spec.eos_token_ids))
+    first_eos = jnp.min(jnp.where(is_eos, positions_k1, k + 1), axis=-1)
+    hit_eos = first_eos <= k
+    count = jnp.where(hit_eos, first_eos + 1, count)
+  else:
+    hit_eos = jnp.zeros(count.shape, bool)
+  count = jnp.minimum(count, spec.max_new_tokens - state.num_generated_b)
+  active = ~state.done_b
+  rows = jnp.arange(count.shape[0])[:, None]
+  write_pos = state.num_generated_b[:, None] + positions_k1
+  out_bn = state.out_bn.at[rows, write_pos].set(
+      jnp.where(active[:, None], round_tokens_bk1, state.out_bn[rows, write_pos]))
+  num_generated = state.num_generated_b + jnp.where(active, count, 0)
+  # Only the kept drafts weigh; the bonus token is the target's own.
+  kept_bk = positions_k1[:k] < count[:, None]
+  increment = jnp.sum(jnp.where(kept_bk, log_ratio_bk, 0.0), axis=-1)
+  return state.replace(
+      out_bn=out_bn, num_generated_b=num_generated,
+      done_b=state.done_b | (active & (hit_eos | (num_generated >= spec.max_new_tokens))),
+      log_weight_b=state.log_weight_b + jnp.where(active, increment, 0.0))
+
+
+def _resample(ess_threshold: float, key, state: _State, q: int, n: int):
+  """Resamples the particles of each prompt still decoding whose ESS is at most
+  ess_threshold x N, and resets their weights. Returns (state, ESS [Q] before)."""
+  log_weight_qn = state.log_weight_b.reshape(q, n)
+  ess_q = effective_sample_size(log_weight_qn)
+  # Particles of a finished prompt are final; those of one still decoding move on.
+  decoding_q = ~jnp.all(state.done_b.reshape(q, n), axis=-1)
+  resample_q = decoding_q & (ess_q <= ess_threshold * n)
+  ancestors_qn = jnp.where(resample_q[:, None], systematic_resample(key, log_weight_qn),
+                           jnp.arange(n))
+  rows_b = (jnp.arange(q)[:, None] * n + ancestors_qn).reshape(-1)
+  state = jax.lax.cond(jnp.any(resample_q), _take_particles, lambda s, _: s, state, rows_b)
+  return state.replace(log_weight_b=jnp.where(jnp.repeat(resample_q, n), 0.0,
+                                              state.log_weight_b)), ess_q
+
+
 def _round(spec: loop.LoopSpec, target_config: ModelConfig, draft, params,
            state: _State) -> _State:
   target_params, draft_params = params
@@ -115,55 +160,22 @@ def _round(spec: loop.LoopSpec, target_config: ModelConfig, draft, params,
                                         vp.top_p)
   round_tokens = jnp.concatenate([drafts_bk, bonus_b[:, None]], axis=1)
 
-  # A particle keeps its tokens up to its first EOS and the length limit.
-  positions_k1 = jnp.arange(k + 1)
-  count = jnp.full(bonus_b.shape, k + 1, jnp.int32)
-  if spec.eos_token_ids:
-    is_eos = jnp.isin(round_tokens, jnp.asarray(spec.eos_token_ids))
-    first_eos = jnp.min(jnp.where(is_eos, positions_k1, k + 1), axis=-1)
-    hit_eos = first_eos <= k
-    count = jnp.where(hit_eos, first_eos + 1, count)
-  else:
-    hit_eos = jnp.zeros(bonus_b.shape, bool)
-  count = jnp.minimum(count, spec.max_new_tokens - state.num_generated_b)
   active = ~state.done_b
-  rows = jnp.arange(bonus_b.shape[0])[:, None]
-  write_pos = state.num_generated_b[:, None] + positions_k1
-  out_bn = state.out_bn.at[rows, write_pos].set(
-      jnp.where(active[:, None], round_tokens, state.out_bn[rows, write_pos]))
-  num_generated = state.num_generated_b + jnp.where(active, count, 0)
-  done = state.done_b | (active & (hit_eos | (num_generated >= spec.max_new_tokens)))
-  # Only the kept drafts weigh; the bonus token is the target's own.
-  kept_bk = positions_k1[:k] < count[:, None]
-  increment = jnp.sum(jnp.where(kept_bk, log_ratio(draft_logits[:, :k], target_logits[:, :k],
-                                                   drafts_bk, vp), 0.0), axis=-1)
-  log_weight = state.log_weight_b + jnp.where(active, increment, 0.0)
-
+  committed = _commit(spec, state, round_tokens,
+                      log_ratio(draft_logits[:, :k], target_logits[:, :k], drafts_bk, vp))
   # All K drafts are in the target cache now; the bonus token is the new pending x0.
   keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
   features = target_hidden[:, k - 1:k + 1].astype(state.features_b2d.dtype)
-  state = state.replace(
+  committed = committed.replace(
       key=key,
       target_cache=target_cache.with_lengths(
-          jnp.where(active, state.target_cache.lengths_b + k + 1,
-                    state.target_cache.lengths_b)),
+          keep(state.target_cache.lengths_b + k + 1, state.target_cache.lengths_b)),
       draft_cache=draft_cache,
       last_two_b2=keep(round_tokens[:, k - 1:], state.last_two_b2),
-      features_b2d=keep(features, state.features_b2d),
-      out_bn=out_bn, num_generated_b=num_generated, done_b=done)
+      features_b2d=keep(features, state.features_b2d))
+  state, ess_q = _resample(vp.ess_threshold, resample_key, committed, q, n)
 
-  log_weight_qn = log_weight.reshape(q, n)
-  ess_q = effective_sample_size(log_weight_qn)
-  # Particles of a finished prompt are final; those of one still decoding move on.
-  decoding_q = ~jnp.all(done.reshape(q, n), axis=-1)
-  resample_q = decoding_q & (ess_q <= vp.ess_threshold * n)
-  ancestors_qn = jnp.where(resample_q[:, None],
-                           systematic_resample(resample_key, log_weight_qn), jnp.arange(n))
-  rows_b = (jnp.arange(q)[:, None] * n + ancestors_qn).reshape(-1)
-  state = jax.lax.cond(jnp.any(resample_q), _take_particles, lambda s, _: s, state, rows_b)
-
-  r = state.round
-  stats = state.stats
+  r, stats = state.round, state.stats
   ones_qk = jnp.ones((q, k), jnp.float32)
   stats = stats.replace(
       active_rb=stats.active_rb.at[r].set(jnp.any(active.reshape(q, n), axis=-1)),
@@ -173,9 +185,7 @@ def _round(spec: loop.LoopSpec, target_config: ModelConfig, draft, params,
       beta_rbk=stats.beta_rbk.at[r].set(ones_qk),
       width_r=stats.width_r.at[r].set(q * n),
       ess_rb=stats.ess_rb.at[r].set(ess_q / n))
-  return state.replace(round=r + 1,
-                       log_weight_b=jnp.where(jnp.repeat(resample_q, n), 0.0, log_weight),
-                       stats=stats)
+  return state.replace(round=r + 1, stats=stats)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "target_config", "draft", "cache_len",
