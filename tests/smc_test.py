@@ -144,6 +144,26 @@ def test_particles_stop_at_eos_and_the_length_limit(models):
     assert n == 7 or row[n - 1] == eos
 
 
+def test_a_particle_weighs_only_the_drafts_it_keeps():
+  """K = 2, EOS 7, 10 tokens at most. Row 0 keeps its round; row 1 drafts EOS first; row
+  2 has room for one token; row 3 had finished. p/q of a cut draft must not weigh."""
+  spec = loop.LoopSpec(verify=VerifyParams(method="smc"), num_draft=2, max_new_tokens=10,
+                       eos_token_ids=(7,))
+  state = smc._State(
+      round=None, key=None, target_cache=None, draft_cache=None, last_two_b2=None,
+      features_b2d=None, stats=None, out_bn=jnp.zeros((4, 13), jnp.int32),
+      num_generated_b=jnp.asarray([0, 0, 9, 4]), done_b=jnp.asarray([False] * 3 + [True]),
+      log_weight_b=jnp.asarray([0.0, 0.0, 0.0, -1.0]))
+  tokens = jnp.asarray([[3, 4, 5], [7, 4, 5], [3, 4, 5], [3, 4, 5]])
+  log_ratio = jnp.asarray([[0.1, 0.2], [0.3, 0.4], [0.5, 0.6], [0.7, 0.8]])
+  out = smc._commit(spec, state, tokens, log_ratio)
+  np.testing.assert_allclose(out.log_weight_b, [0.3, 0.3, 0.5, -1.0], rtol=1e-6)
+  assert out.num_generated_b.tolist() == [3, 1, 10, 4]
+  assert out.done_b.tolist() == [False, True, True, True]
+  assert out.out_bn[0, :3].tolist() == [3, 4, 5] and out.out_bn[1, 0] == 7
+  assert out.out_bn[2, 9] == 3 and not out.out_bn[3].any()
+
+
 def test_the_decoder_runs_smc_batch_size_prompts_a_call(models):
   target_config, target_params, draft, draft_params = models
   dec = decoder_lib.SpeculativeDecoder(decoder_lib.ModelHandle(target_config, target_params),
