@@ -87,6 +87,14 @@ def systematic_resample(key: jax.Array, log_weight_qn: jax.Array) -> jax.Array:
   return jnp.minimum(ancestors, n - 1).astype(jnp.int32)
 
 
+def _copy_rows(cache_q, cache_b, n: int):
+  """`cache_b` with row r set to row r // n of `cache_q`, in `cache_b`'s layout (the one
+  fastest for its B rows, which `take_rows` alone would not give a one-prompt cache)."""
+  def put(row, cache):
+    return cache.set_row(row, cache_q.take_rows(jnp.reshape(row // n, (1,))))
+  return jax.lax.fori_loop(0, cache_b.lengths_b.shape[0], put, cache_b)
+
+
 def _take_particles(state: _State, rows_b: jax.Array) -> _State:
   """Every row replaced by row `rows_b[row]` (its ancestor), with caches and outputs."""
   take = lambda x: jnp.take(x, rows_b, axis=0)
@@ -207,12 +215,15 @@ def decode(target_params, draft_params, prompt_qp, prompt_lengths_q, key, *,
     raise ValueError("method 'smc' needs a draft model")
   verification.validate_params(vp)  # particles >= 1, temperature > 0, ...
   q, n = prompt_qp.shape[0], vp.particles
-  # Each particle prefills its own copy of the prompt: one batch, and the caches come out
-  # in the layout that the rows' count picks.
-  target_cache, draft_cache, last_two, features_b2d = loop.prefill(
-      target_params, target_config, draft, draft_params, jnp.repeat(prompt_qp, n, axis=0),
-      jnp.repeat(prompt_lengths_q, n), cache_len, prefill_chunk)
   rounds, b = num_rounds(spec), q * n
+  target_cache, draft_cache, last_two, features_b2d = loop.prefill(
+      target_params, target_config, draft, draft_params, prompt_qp, prompt_lengths_q,
+      cache_len, prefill_chunk)
+  if n > 1:  # one prefill per prompt, copied to its particles
+    target_cache = _copy_rows(target_cache, transformer.init_cache(
+        target_params, target_config, b, cache_len), n)
+    draft_cache = _copy_rows(draft_cache, draft.init_cache(draft_params, b, cache_len), n)
+    last_two, features_b2d = (jnp.repeat(x, n, axis=0) for x in (last_two, features_b2d))
   state = _State(
       round=jnp.zeros((), jnp.int32), key=key,
       target_cache=target_cache, draft_cache=draft_cache,
