@@ -43,6 +43,18 @@ def settings_for(config, log: Callable = print) -> list[methods_lib.MethodSettin
   return settings
 
 
+# VerifyParams fields added after results were first written, with the values that keep
+# the earlier behaviour: they enter a fingerprint only when they differ from these, so
+# records of the methods that do not read them still count (as with matmul_precision).
+_LATER_VERIFY_FIELDS = {"particles": 4, "ess_threshold": 0.5}
+
+
+def verify_fields(verify) -> dict:
+  """The VerifyParams fields that a setting's fingerprint hashes."""
+  return {name: value for name, value in dataclasses.asdict(verify).items()
+          if _LATER_VERIFY_FIELDS.get(name, object()) != value}
+
+
 def setting_fingerprint(config, setting, models) -> str:
   """Hash of everything that changes a setting's per-example result (not the slice)."""
   draft = (None if setting.family == "ar" else
@@ -56,7 +68,7 @@ def setting_fingerprint(config, setting, models) -> str:
   # are decoded again once rather than mixed with new ones.
   precision = (() if config.decode.matmul_precision == "highest"
                else (config.decode.matmul_precision,))
-  return fingerprint(setting.name, dataclasses.asdict(setting.verify), draft, head, digests,
+  return fingerprint(setting.name, verify_fields(setting.verify), draft, head, digests,
                      config.model.target, config.model.tokenizer, config.model.chat,
                      config.decode.num_draft, config.decode.max_new_tokens, config.seed,
                      task.name, task.source, task.split, task.num_shots,
