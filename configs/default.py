@@ -88,7 +88,8 @@ def base() -> ml_collections.ConfigDict:
   c.methods.static_rule = "static"  # 'static' (mixture of probabilities) or 'static_logit'
   c.methods.cascade_rules = ("opt",)  # SpecCascade deferral rules (chow diff opt v1 v2 v3)
   c.methods.cascade_alpha = 0.1  # SpecCascade lenience alpha
-  c.methods.mentored_epsilon = (0.1,)  # mentored decoding grid of the TV budget epsilon
+  c.methods.mentored_epsilon = (0.1,)  # mentored decoding grid of the budget epsilon
+  c.methods.mentored_divergence = "tv"  # its budget's divergence D(pi || p): tv, kl, chi2
   c.methods.typical_epsilon = 0.3  # Medusa typical acceptance: hard threshold
   c.methods.typical_delta = 0.09  # Medusa typical acceptance: entropy-scaled threshold
   c.methods.smc_particles = (4,)  # SMC speculative decoding grid of particles per prompt

@@ -21,7 +21,7 @@ from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.models import loading
 from diversed_jax.speculative import build, metrics, verification
 from diversed_jax.speculative.decoder import MATMUL_PRECISIONS
-from diversed_jax.speculative.types import CASCADE_RULES, METHODS, VerifyParams
+from diversed_jax.speculative.types import CASCADE_RULES, DIVERGENCES, METHODS, VerifyParams
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct",
                               "Registry name, model folder, GGUF file or hub id.")
@@ -40,7 +40,9 @@ _LENIENCE = flags.DEFINE_float("lenience", 0.5, "Lossy SD lenience l in (0, 1]."
 _WEIGHT = flags.DEFINE_float("weight", 0.5, "Static ensemble weight w on the target.")
 _CASCADE_RULE = flags.DEFINE_enum("cascade_rule", "opt", CASCADE_RULES, "SpecCascade rule.")
 _CASCADE_ALPHA = flags.DEFINE_float("cascade_alpha", 0.1, "SpecCascade lenience alpha.")
-_EPSILON = flags.DEFINE_float("epsilon", 0.1, "Mentored decoding TV budget.")
+_EPSILON = flags.DEFINE_float("epsilon", 0.1, "Mentored decoding budget on --divergence.")
+_DIVERGENCE = flags.DEFINE_enum("divergence", "tv", DIVERGENCES,
+                                "Mentored decoding: the budget's divergence D(pi || p).")
 _PARTICLES = flags.DEFINE_integer("particles", 4, "SMC speculative decoding: particles.")
 _ESS_THRESHOLD = flags.DEFINE_float(
     "ess_threshold", 0.5, "SMC: resample when the effective sample size is at most this "
@@ -57,7 +59,8 @@ def verify_params_from_flags() -> VerifyParams:
   return VerifyParams(method=_METHOD.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                       lenience=_LENIENCE.value, weight=_WEIGHT.value,
                       cascade_rule=_CASCADE_RULE.value, cascade_alpha=_CASCADE_ALPHA.value,
-                      epsilon=_EPSILON.value, particles=_PARTICLES.value,
+                      epsilon=_EPSILON.value, divergence=_DIVERGENCE.value,
+                      particles=_PARTICLES.value,
                       ess_threshold=_ESS_THRESHOLD.value)
 
 

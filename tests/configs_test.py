@@ -89,6 +89,16 @@ def test_cascade_and_mentored_grids():
   config = _load("gsm8k", **{"methods.run": "mentored", "methods.mentored_epsilon": (2.0,)})
   with pytest.raises(ValueError, match=r"methods.mentored_epsilon=\(2.0,\)"):
     validate(config)
+  # KL and chi^2 budgets are unbounded; their settings say the divergence.
+  config = _load("gsm8k", **{"methods.run": "mentored", "methods.mentored_epsilon": (2.0,),
+                             "methods.mentored_divergence": "kl"})
+  validate(config)
+  (setting,) = methods.expand(config)
+  assert setting.name == "mentored(kl,eps=2)" and setting.verify.divergence == "kl"
+  config = _load("gsm8k", **{"methods.run": "mentored",
+                             "methods.mentored_divergence": "hellinger"})
+  with pytest.raises(ValueError, match=r"methods.mentored_divergence='hellinger': must be one"):
+    validate(config)
 
 
 def test_xsum_needs_a_source_and_humaneval_no_shots():

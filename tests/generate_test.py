@@ -77,6 +77,7 @@ def test_generate_rejects_a_draft_with_another_vocabulary(tiny_model_folder, tmp
     (["--method=lossy", "--lenience=2"], "--lenience must be in (0, 1], got 2.0"),
     (["--max_new_tokens=0"], "--max_new_tokens must be >= 1, got 0"),
     (["--method=smc"], "--temperature must be > 0 with method 'smc', got 0.0"),
+    (["--method=mentored", "--divergence=js"], "flag --divergence=js: value should be one of"),
     (["--method=smc", "--temperature=1", "--particles=0"], "--particles must be >= 1, got 0"),
 ])
 def test_generate_rejects_bad_flags_before_loading_a_model(flags, message):

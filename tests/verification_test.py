@@ -47,6 +47,12 @@ PARAMS = {
     "diversed": VerifyParams(method="diversed", temperature=TEMP),
     "mentored": VerifyParams(method="mentored", temperature=TEMP, epsilon=0.1),
     "mentored_big_eps": VerifyParams(method="mentored", temperature=TEMP, epsilon=0.9),
+    "mentored_kl": VerifyParams(method="mentored", temperature=TEMP, epsilon=0.05,
+                                divergence="kl"),
+    "mentored_chi2": VerifyParams(method="mentored", temperature=TEMP, epsilon=0.1,
+                                  divergence="chi2"),
+    "mentored_chi2_big_eps": VerifyParams(method="mentored", temperature=TEMP, epsilon=50.0,
+                                          divergence="chi2"),
     "typical": VerifyParams(method="typical", temperature=TEMP, typical_delta=0.5),
     **{f"cascade_{r}": VerifyParams(method="cascade", temperature=TEMP, cascade_rule=r,
                                     cascade_alpha=a) for r, a in CASCADE_ALPHA.items()},
@@ -92,6 +98,34 @@ def np_mentored_c(q, p, eps):
   return 0.5 * (lo + hi)
 
 
+def np_mentored_law(q, p, c):
+  """pi_c = min(q, c p) + (1 - sum min(q, c p)) norm((p - q)+)."""
+  accepted = np.minimum(q, c * p)
+  deficit = np.maximum(p - q, 0)
+  return accepted + (1 - accepted.sum()) * deficit / max(deficit.sum(), 1e-300)
+
+
+def np_divergence(pi, p, kind):
+  on = p > 0
+  if kind == "kl":
+    keep = on & (pi > 0)
+    return float(np.sum(pi[keep] * np.log(pi[keep] / p[keep])))
+  return float(np.sum((pi[on] - p[on]) ** 2 / p[on]))  # chi2
+
+
+def np_mentored_f_c(q, p, eps, kind):
+  """The largest c >= 1 with D(pi_c || p) <= eps, by bisection on c itself in float64
+  (c_max = max q/p over p > 0 when even it fits)."""
+  c_max = max(1.0, float(np.max(np.where(p > 0, q / np.where(p > 0, p, 1), 0))))
+  if np_divergence(np_mentored_law(q, p, c_max), p, kind) <= eps:
+    return c_max
+  lo, hi = 1.0, c_max
+  for _ in range(200):
+    mid = 0.5 * (lo + hi)
+    lo, hi = (mid, hi) if np_divergence(np_mentored_law(q, p, mid), p, kind) <= eps else (lo, mid)
+  return lo
+
+
 def np_cascade(q, p, q1, p1, rule, alpha):
   tv1 = 0.5 * np.abs(q1 - p1).sum()
   keep = {"chow": q1.max() >= 1 - alpha, "diff": q1.max() >= p1.max() - alpha,
@@ -125,6 +159,9 @@ def np_rule(params, i, zq=ZQ, zp=ZP, weights=WEIGHTS):
   elif m == "cascade":
     pi = np_cascade(q, p, np_scaled(zq[i], 1.0), np_scaled(zp[i], 1.0), params.cascade_rule,
                     params.cascade_alpha)
+  elif m == "mentored" and params.divergence != "tv":
+    a = ratio(np_mentored_f_c(q, p, params.epsilon, params.divergence) * p)
+    return q, a, q * a + (1 - (q * a).sum()) * resid
   elif m == "mentored":
     c = np_mentored_c(q, p, params.epsilon)
     if np.isinf(c):  # every x with p > 0 accepted; the budget left goes to q's mass at p = 0
@@ -203,7 +240,15 @@ def test_emitted_law(name, k):
     q, a, pi = np_rule(params, i)
     mask = None if i == 0 else out.num_accepted_b >= i
     emp = empirical(out.tokens_bk1[:, i], mask)
-    if params.method == "mentored":
+    if params.method == "mentored" and params.divergence != "tv":
+      p = np_scaled(ZP[i], params.temperature)
+      spent = np_divergence(pi, p, params.divergence)
+      assert spent <= params.epsilon + 1e-6
+      if params.epsilon < 1:  # the budget is spent; 50 covers every drafted token
+        assert spent == pytest.approx(params.epsilon, rel=1e-3)
+      else:
+        np.testing.assert_allclose(a[p > 0], 1.0, rtol=1e-9)
+    elif params.method == "mentored":
       p = np_scaled(ZP[i], params.temperature)
       assert tv(pi, p) <= params.epsilon + 1e-6
       assert tv(emp, p) <= params.epsilon + TV_TOL
@@ -287,7 +332,8 @@ def test_temperature_zero(name):
     assert np.all(out.next_token_b == want[n])
     first_mismatch = np.argmax(np.append(np.argmax(ZQ[:K], -1) != want[:K], True))
     assert np.all(n == first_mismatch)
-  if params.method == "mentored":  # argmax q != argmax p at position 1: accept w.p. eps
+  if params.method == "mentored" and params.divergence == "tv":
+    # argmax q != argmax p at position 1: accept w.p. eps
     assert abs(out.accepted_bk[:, 0].mean() - params.epsilon) < 0.015  # std <= 0.0036
   q, a, pi = np_rule(params, 0)  # the first emitted token's law, as at T > 0
   assert tv(empirical(out.tokens_bk1[:, 0]), pi) < TV_TOL, name
@@ -530,3 +576,27 @@ def test_greedy_round_on_two_tokens_matches_the_full_rule(method, cascade_rule,
   np.testing.assert_array_equal(next_tok[point], np.asarray(full_out.next_token_b)[point])
   np.testing.assert_array_equal(np.asarray(out.tokens_bk1)[point],
                                 np.asarray(full_out.tokens_bk1)[point])
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.05, 0.3, 0.9])
+def test_mentored_search_on_tv_finds_the_closed_forms_acceptance(eps):
+  """`mentored_f_accept`'s bisection with D = TV agrees with the closed form that the TV
+  rule uses (`mentored_accept`), up to and past the budget that accepts every draft."""
+  q = np.stack([np_scaled(z, TEMP) for z in ZQ])
+  p = np.stack([np_scaled(z, TEMP) for z in ZP])
+  _, closed = verification.mentored_accept(q, p, eps)
+  _, searched = verification.mentored_f_accept(q, p, eps, "tv")
+  np.testing.assert_allclose(searched, closed, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["kl", "chi2"])
+def test_mentored_acceptance_rises_with_the_budget(kind):
+  """Budget 0 is exact SD (acceptance 1 - TV(p, q)); more budget accepts more, and a
+  budget past D(q || p) accepts every draft (all tokens have p > 0 here)."""
+  q = np.stack([np_scaled(z, TEMP) for z in ZQ])
+  p = np.stack([np_scaled(z, TEMP) for z in ZP])
+  rates = np.stack([np.sum(q * np.asarray(verification.mentored_f_accept(q, p, e, kind)[1]),
+                           axis=-1) for e in (0.0, 0.01, 0.1, 1.0, 1e6)])
+  np.testing.assert_allclose(rates[0], 1 - 0.5 * np.abs(p - q).sum(-1), atol=1e-4)
+  assert np.all(np.diff(rates, axis=0) >= -1e-6) and np.all(rates[2] > rates[0] + 0.01)
+  np.testing.assert_allclose(rates[-1], 1.0, atol=1e-6)

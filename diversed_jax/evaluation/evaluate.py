@@ -46,7 +46,7 @@ def settings_for(config, log: Callable = print) -> list[methods_lib.MethodSettin
 # VerifyParams fields added after results were first written, with the values that keep
 # the earlier behaviour: they enter a fingerprint only when they differ from these, so
 # records of the methods that do not read them still count (as with matmul_precision).
-_LATER_VERIFY_FIELDS = {"particles": 4, "ess_threshold": 0.5}
+_LATER_VERIFY_FIELDS = {"particles": 4, "ess_threshold": 0.5, "divergence": "tv"}
 
 
 def verify_fields(verify) -> dict:

@@ -7,7 +7,8 @@
   cascade        SpecCascade, one setting per rule in methods.cascade_rules
   static         static ensemble nu = w p + (1 - w) q, one per w in methods.static_weights
   diversed       the dynamic ensemble w_t = head(h_q,t, h_p,t) (a trained head)
-  mentored       mentored decoding, one per TV budget epsilon in methods.mentored_epsilon
+  mentored       mentored decoding, one per budget epsilon in methods.mentored_epsilon on
+                 the divergence methods.mentored_divergence (tv, kl or chi2)
   typical        Medusa typical acceptance
   smc            SMC speculative decoding, one per particle count in methods.smc_particles
                  (sampling only: decode.temperature > 0)
@@ -88,8 +89,13 @@ def expand(config) -> list[MethodSetting]:
     elif family == "diversed":
       out.append(make("diversed", family, dict(method="diversed")))
     elif family == "mentored":
-      out += [make(f"mentored(eps={_fmt(e)})", family, dict(method="mentored", epsilon=float(e)),
-                   [("epsilon", float(e))]) for e in m.mentored_epsilon]
+      kind = m.mentored_divergence
+      # TV settings keep their names from before the other divergences existed.
+      prefix = "" if kind == "tv" else f"{kind},"
+      out += [make(f"mentored({prefix}eps={_fmt(e)})", family,
+                   dict(method="mentored", epsilon=float(e), divergence=kind),
+                   [("epsilon", float(e)), ("divergence", kind)])
+              for e in m.mentored_epsilon]
     elif family == "typical":
       out.append(make("typical", family,
                       dict(method="typical", typical_epsilon=float(m.typical_epsilon),

@@ -12,7 +12,7 @@ import os
 from diversed_jax.evaluation import methods as methods_lib
 from diversed_jax.models import loading, registry
 from diversed_jax.speculative.decoder import MATMUL_PRECISIONS
-from diversed_jax.speculative.types import CASCADE_RULES
+from diversed_jax.speculative.types import CASCADE_RULES, DIVERGENCES
 
 MODES = ("eval", "train", "train_and_eval", "distill", "bench")
 TASKS = ("gsm8k", "cnndm", "xsum", "mbpp", "humaneval")
@@ -135,7 +135,12 @@ def _check_methods(config) -> None:
               f"unknown rule {rule!r}; choose from {list(CASCADE_RULES)}")
     _check_number("methods.cascade_alpha", m.cascade_alpha, 0.0, 1.0)
   if "mentored" in names:
-    _check_grid("methods.mentored_epsilon", m.mentored_epsilon, 0.0, 1.0, low_open=False)
+    if m.mentored_divergence not in DIVERGENCES:
+      _fail("methods.mentored_divergence", m.mentored_divergence,
+            f"must be one of {list(DIVERGENCES)}")
+    # A TV budget above 1 means nothing; KL and chi^2 are unbounded.
+    _check_grid("methods.mentored_epsilon", m.mentored_epsilon, 0.0,
+                1.0 if m.mentored_divergence == "tv" else None, low_open=False)
   if "typical" in names:
     _check_number("methods.typical_epsilon", m.typical_epsilon, 0.0, 1.0, low_open=True)
     _check_number("methods.typical_delta", m.typical_delta, 0.0, low_open=True)

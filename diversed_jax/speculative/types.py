@@ -13,6 +13,7 @@ import jax
 METHODS = ("ar", "sd", "lossy", "static", "static_logit", "diversed", "cascade", "mentored",
            "typical", "smc")
 CASCADE_RULES = ("chow", "diff", "opt", "v1", "v2", "v3")
+DIVERGENCES = ("tv", "kl", "chi2")  # mentored decoding's budget D(pi || p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,8 @@ class VerifyParams:
   lenience: l in (0, 1] of lossy SD.
   weight: w on the TARGET for 'static' / 'static_logit' (1 = exact SD, 0 = accept all).
   cascade_rule, cascade_alpha: SpecCascade deferral rule and its lenience alpha.
-  epsilon: TV budget of mentored decoding.
+  epsilon, divergence: mentored decoding's budget, D(pi || p) <= epsilon for D one of
+    DIVERGENCES (total variation, KL, chi-squared).
   typical_epsilon, typical_delta: Medusa typical-acceptance thresholds.
   particles, ess_threshold: SMC speculative decoding ('smc', see smc.py): drafts per
     prompt, and the effective sample size, as a fraction of `particles`, below which a
@@ -39,6 +41,7 @@ class VerifyParams:
   cascade_rule: str = "opt"
   cascade_alpha: float = 0.1
   epsilon: float = 0.1
+  divergence: str = "tv"
   typical_epsilon: float = 0.3
   typical_delta: float = 0.09
   particles: int = 4

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from diversed_jax.speculative import distributions
 from diversed_jax.speculative.distributions import (normalize_positive, sample_categorical,
                                                     scaled_probs, tv_distance)
-from diversed_jax.speculative.types import CASCADE_RULES, METHODS, Verdict, VerifyParams
+from diversed_jax.speculative.types import (CASCADE_RULES, DIVERGENCES, METHODS, Verdict,
+                                           VerifyParams)
 
 Rule = Callable[..., Verdict]
 
@@ -57,6 +58,7 @@ def validate_params(params: VerifyParams, prefix: str = "VerifyParams.") -> None
       ("cascade_rule", params.cascade_rule in CASCADE_RULES, f"one of {CASCADE_RULES}"),
       ("cascade_alpha", 0 <= params.cascade_alpha <= 1, "in [0, 1]"),
       ("epsilon", params.epsilon >= 0, ">= 0"),
+      ("divergence", params.divergence in DIVERGENCES, f"one of {DIVERGENCES}"),
       ("typical_epsilon", params.typical_epsilon >= 0, ">= 0"),
       ("typical_delta", params.typical_delta >= 0, ">= 0"),
       ("particles", params.particles >= 1, ">= 1"),
@@ -342,12 +344,80 @@ def mentored_accept(q_v: jax.Array, p_v: jax.Array, epsilon: float):
   return c.reshape(lead), a.reshape(q_v.shape)
 
 
+# Bisection steps on log c: the bracket [0, log c_max] is at most ~70 wide in float32
+# (ratios up to 1e30), so 30 halvings leave c within a relative 1e-7.
+_MENTORED_BISECTIONS = 30
+
+
+def mentored_law(q_v: jax.Array, p_v: jax.Array, c: jax.Array) -> jax.Array:
+  """pi_c = min(q, c p) + (1 - sum min(q, c p)) norm((p - q)+): the law that acceptance
+  a = min(1, c p/q) with residual norm((p-q)+) emits. q_v, p_v [..., V], c [...]; c = 1
+  gives p. As c grows each pi_c(x) moves monotonically from p(x) towards q(x)."""
+  accepted = jnp.minimum(q_v, c[..., None] * p_v)
+  deficit = jnp.maximum(p_v - q_v, 0.0)
+  total = jnp.sum(deficit, axis=-1, keepdims=True)
+  rest = 1.0 - jnp.sum(accepted, axis=-1, keepdims=True)
+  return accepted + rest * deficit / jnp.where(total > 0, total, 1.0)
+
+
+def divergence(pi_v: jax.Array, p_v: jax.Array, kind: str) -> jax.Array:
+  """D(pi || p) over the last axis for kind in DIVERGENCES; pi must vanish where p does
+  (as `mentored_law`'s does) for 'kl' and 'chi2'."""
+  if kind == "tv":
+    return 0.5 * jnp.sum(jnp.abs(pi_v - p_v), axis=-1)
+  on = p_v > 0
+  safe_p = jnp.where(on, p_v, 1.0)
+  if kind == "kl":
+    log_ratio = jnp.log(jnp.where(pi_v > 0, pi_v, 1.0) / safe_p)
+    return jnp.sum(jnp.where(on & (pi_v > 0), pi_v * log_ratio, 0.0), axis=-1)
+  if kind == "chi2":
+    return jnp.sum(jnp.where(on, (pi_v - p_v) ** 2 / safe_p, 0.0), axis=-1)
+  raise ValueError(f"divergence={kind!r} is not one of {DIVERGENCES}")
+
+
+def mentored_f_accept(q_v: jax.Array, p_v: jax.Array, epsilon: float, kind: str):
+  """Mentored decoding with the budget D(pi || p) <= eps for D = `kind`: the TV case's
+  family a = min(1, c p/q) and residual norm((p-q)+), with c >= 1 the largest such that
+  D(pi_c || p) <= eps (methods.md: "other f-divergences need a search over c").
+
+  pi_c moves away from p coordinate by coordinate as c grows, so D(pi_c || p) rises with
+  c: bisection on log c over [0, log c_max], c_max = max q/p over p > 0, past which
+  nothing changes (c = c_max when even it fits the budget: every token with p > 0 is
+  accepted). Tokens with p = 0 are never accepted: KL and chi^2 would be infinite.
+  q_v, p_v [..., V]; returns (c [...], a [..., V]).
+  """
+  q_v, p_v = jnp.asarray(q_v, jnp.float32), jnp.asarray(p_v, jnp.float32)
+  on = p_v > 0
+  ratio = jnp.where(on, q_v / jnp.where(on, p_v, 1.0), 0.0)
+  log_c_max = jnp.log(jnp.maximum(jnp.max(ratio, axis=-1), 1.0))
+  fits = lambda log_c: divergence(mentored_law(q_v, p_v, jnp.exp(log_c)), p_v,
+                                  kind) <= epsilon
+
+  def halve(_, bracket):  # lo fits the budget; hi does not (or is the end)
+    lo, hi = bracket
+    mid = 0.5 * (lo + hi)
+    ok = fits(mid)
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, _MENTORED_BISECTIONS, halve,
+                            (jnp.zeros_like(log_c_max), log_c_max))
+  c = jnp.exp(jnp.where(fits(log_c_max), log_c_max, lo))
+  if epsilon == 0:  # KL and chi^2 are second order in c - 1: float32 noise near c = 1
+    c = jnp.ones_like(c)  # would let c drift ~1e-3 above it; budget 0 is exact SD
+  return c, _ratio_accept(c[..., None] * p_v, q_v)
+
+
 def mentored(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params, weights_bk1=None):
-  """Mentored decoding (TV case): a = min(1, c* p/q), r = norm((p-q)+), bonus p_{K+1}."""
+  """Mentored decoding: a = min(1, c* p/q), r = norm((p-q)+), bonus p_{K+1}; c* spends the
+  budget epsilon on TV(pi, p) (closed form, `mentored_accept`) or on KL / chi^2
+  (`mentored_f_accept`)."""
   del weights_bk1
   k, q, p = _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params)
   q, pk = q[:, :k], p[:, :k]
-  _, accept = mentored_accept(q, pk, params.epsilon)
+  if params.divergence == "tv":
+    _, accept = mentored_accept(q, pk, params.epsilon)
+  else:
+    _, accept = mentored_f_accept(q, pk, params.epsilon, params.divergence)
   residual = normalize_positive(pk - q, pk)
   return _verdict(q, accept, residual, p[:, k], draft_tokens_bk)
 
