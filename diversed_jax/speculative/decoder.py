@@ -224,29 +224,31 @@ class SpeculativeDecoder:
     kwargs = dict(spec=spec, target_config=self.target.config, draft=self.draft,
                   cache_len=cache_len, prefill_chunk=self.prefill_chunk)
     target_params, draft_params = self._models
-    parts = []
+    starts, results, seconds, compile_seconds = [], [], 0.0, 0.0
     for start in range(0, num_prompts, size):
       rows = np.minimum(np.arange(start, start + size), num_prompts - 1)
       args = (target_params, draft_params,
               *self._placement.rows((jnp.asarray(tokens[rows]), jnp.asarray(lengths[rows]))),
               jax.random.fold_in(jax.random.PRNGKey(seed), start))
-      parts.append((start, *self._run(smc.decode, args, kwargs,
-                                       ("smc", spec, (size, tokens.shape[1]), cache_len))))
-    result = _stack_calls(parts, num_prompts)
-    return _generation(result, num_prompts, sum(p[2] for p in parts),
-                       sum(p[3] for p in parts))
+      result, call_seconds, call_compile = self._run(
+          smc.decode, args, kwargs, (spec, (size, tokens.shape[1]), cache_len))
+      starts.append(start)
+      results.append(result)
+      seconds, compile_seconds = seconds + call_seconds, compile_seconds + call_compile
+    return _generation(_stack_calls(starts, results, num_prompts), num_prompts, seconds,
+                       compile_seconds)
 
 
-def _stack_calls(parts, num_prompts: int) -> loop.DecodeResult:
-  """One DecodeResult from calls over consecutive blocks of the prompts: [(first prompt,
-  result, ...)]. Rounds follow each other; `prompt_rb` indexes the whole list, and the
-  last call's padding prompts are inactive (their time is the call's, their tokens none)."""
-  results = [p[1] for p in parts]
+def _stack_calls(starts, results, num_prompts: int) -> loop.DecodeResult:
+  """One DecodeResult from calls over consecutive blocks of the prompts, the blocks'
+  first prompts `starts`. Rounds follow each other; `prompt_rb` indexes the whole list,
+  and the last call's padding prompts are inactive (their time is the call's, their
+  tokens none)."""
   trimmed = [jax.tree.map(lambda x, r=int(res.num_rounds): np.asarray(x)[:r], res.stats)
              for res in results]
   stats = jax.tree.map(lambda *xs: np.concatenate(xs), *trimmed)
   offsets = np.concatenate([np.full(int(res.num_rounds), start)
-                            for (start, *_), res in zip(parts, results)])
+                            for start, res in zip(starts, results)])
   prompt_rb = stats.prompt_rb + offsets[:, None]
   # The padding of the last call is not output: its rounds count for no prompt.
   stats = stats.replace(prompt_rb=prompt_rb,

@@ -126,8 +126,8 @@ class _State:
   stats: RoundStats
 
 
-def _first_index(mask_bk: jax.Array) -> jax.Array:
-  """Index of the first True per row, or K when none."""
+def first_index(mask_bk: jax.Array) -> jax.Array:
+  """Index of the first True along the last axis, or its length when none."""
   k = mask_bk.shape[-1]
   return jnp.min(jnp.where(mask_bk, jnp.arange(k), k), axis=-1)
 
@@ -226,7 +226,7 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
   new_count = num_accepted + 1
   if spec.eos_token_ids:
     is_eos = jnp.isin(round_tokens, jnp.asarray(spec.eos_token_ids)) & committed_mask
-    first_eos = _first_index(is_eos)
+    first_eos = first_index(is_eos)
     hit_eos = first_eos <= num_accepted
     new_count = jnp.where(hit_eos, first_eos + 1, new_count)
   else:

@@ -114,7 +114,7 @@ def _commit(spec: loop.LoopSpec, state: _State, round_tokens_bk1, log_ratio_bk) 
   count = jnp.full(round_tokens_bk1.shape[:1], k + 1, jnp.int32)
   if spec.eos_token_ids:
     is_eos = jnp.isin(round_tokens_bk1, jnp.asarray(spec.eos_token_ids))
-    first_eos = jnp.min(jnp.where(is_eos, positions_k1, k + 1), axis=-1)
+    first_eos = loop.first_index(is_eos)  # K + 1 when none
     hit_eos = first_eos <= k
     count = jnp.where(hit_eos, first_eos + 1, count)
   else:
