@@ -47,6 +47,12 @@ _PARTICLES = flags.DEFINE_integer("particles", 4, "SMC speculative decoding: par
 _ESS_THRESHOLD = flags.DEFINE_float(
     "ess_threshold", 0.5, "SMC: resample when the effective sample size is at most this "
     "fraction of the particles.")
+_FANOUT = flags.DEFINE_integer(
+    "fanout", 2, "Speculative speculative decoding (ssd): token guesses per accepted length "
+    "that the draft pre-drafts the next round after.")
+_SAGUARO_SCALE = flags.DEFINE_float(
+    "saguaro_scale", 1.0, "ssd: scale C in (0, 1] of the draft's top --fanout "
+    "probabilities (Saguaro sampling; 1 = off).")
 _TASK = flags.DEFINE_string("task", None, "Task whose shipped head to use (diversed; "
                             "default gsm8k).")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of text.")
@@ -60,8 +66,8 @@ def verify_params_from_flags() -> VerifyParams:
                       lenience=_LENIENCE.value, weight=_WEIGHT.value,
                       cascade_rule=_CASCADE_RULE.value, cascade_alpha=_CASCADE_ALPHA.value,
                       epsilon=_EPSILON.value, divergence=_DIVERGENCE.value,
-                      particles=_PARTICLES.value,
-                      ess_threshold=_ESS_THRESHOLD.value)
+                      particles=_PARTICLES.value, ess_threshold=_ESS_THRESHOLD.value,
+                      fanout=_FANOUT.value, saguaro_scale=_SAGUARO_SCALE.value)
 
 
 def check_flags() -> VerifyParams:

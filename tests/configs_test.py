@@ -147,6 +147,22 @@ def test_smc_settings_and_their_refusals():
       validate(_load("gsm8k", **{"methods.run": "ar,smc", field: value}))
 
 
+def test_ssd_settings_and_their_refusals():
+  config = _load("gsm8k", **{"methods.run": "sd,ssd", "methods.ssd_fanout": 3,
+                             "methods.ssd_saguaro_scales": (1.0, 0.5)})
+  settings = methods.expand(config)
+  assert [s.name for s in settings] == ["sd", "ssd(f=3,c=1)", "ssd(f=3,c=0.5)"]
+  assert (settings[2].verify.fanout, settings[2].verify.saguaro_scale) == (3, 0.5)
+  validate(config)
+  for field, value, message in [
+      ("methods.ssd_fanout", 0, r"methods.ssd_fanout=0: must be >= 1"),
+      ("methods.ssd_saguaro_scales", (0.0,), r"ssd_saguaro_scales=\(0.0,\): value 0.0: must be > 0"),
+      ("methods.ssd_saguaro_scales", (1.5,), r"value 1.5: must be <= 1"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      validate(_load("gsm8k", **{"methods.run": "sd,ssd", field: value}))
+
+
 def test_xsum_local_file_with_its_fields(tmp_path):
   path = tmp_path / "xsum_small.jsonl"
   rows = [{"id": f"x{i}", "document": f"Article number {i}. It rained.",

@@ -34,7 +34,7 @@ def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
   proc = subprocess.run(
       [sys.executable, "-m", "diversed_jax.main", "--config=configs/gsm8k.py:tiny",
        f"--workdir={workdir}", "--config.mode=train_and_eval",
-       "--config.methods.run=ar,sd,static,diversed,smc",
+       "--config.methods.run=ar,sd,static,diversed,smc,ssd",
        "--config.methods.static_weights=(0.4,0.8)", "--config.methods.smc_particles=(2,)",
        "--config.decode.temperature=0.5"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -43,7 +43,7 @@ def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
   assert (head / "head.json").is_file()
   rows = json.loads((workdir / "summary.json").read_text())
   assert [r["setting"] for r in rows] == ["ar", "sd", "static(w=0.4)", "static(w=0.8)",
-                                          "diversed", "smc(n=2)"]
+                                          "diversed", "smc(n=2)", "ssd(f=2,c=1)"]
   for row in rows:
     assert set(REQUIRED) <= set(row)
     assert row["n_examples"] == 4 and row["quality_metric"] == "accuracy"
@@ -58,6 +58,9 @@ def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
   assert smc["acceptance_rate"] == 1.0 and 0.5 <= smc["mean_ess"] <= 1.0
   assert smc["params"] == {"particles": 2, "ess_threshold": 0.5}
   assert by_name["sd"]["mean_ess"] is None
+  ssd = by_name["ssd(f=2,c=1)"]  # the draft pre-drafting: exact, with its hit rate
+  assert 0.0 <= ssd["hit_rate"] <= 1.0 and ssd["params"] == {"fanout": 2, "saguaro_scale": 1.0}
+  assert by_name["sd"]["hit_rate"] is None
   with open(workdir / "summary.csv") as f:
     header = next(csv.reader(f))
   assert set(REQUIRED) <= set(header)
@@ -66,7 +69,7 @@ def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
   assert table.strip() in proc.stdout  # printed at the end
   assert (workdir / "pareto.png").stat().st_size > 10_000
   lines = (workdir / "results.jsonl").read_text().splitlines()
-  assert len(lines) == 6 * 4
+  assert len(lines) == 7 * 4
 
 
 class _Stop(Exception):

@@ -42,9 +42,9 @@ def test_summarize_counts_only_active_row_rounds():
       beta_rbk=np.array([[[0.8, 0.6, 0.4], [0.5, 0.5, 0.5]],
                          [[0.9, 0.3, 0.7], [0.1, 0.9, 0.9]],
                          [[0.4, 0.4, 0.4], [1.0, 1.0, 1.0]]], np.float32),
-      ess_rb=None)
+      ess_rb=None, hit_rb=None)
   out = metrics.summarize(stats, num_tokens=9, speculative=True)
-  assert "ess" not in out  # SMC's figure only
+  assert "ess" not in out and "hit_rate" not in out  # SMC's and SSD's figures only
   assert out["rounds"] == 5
   assert out["tokens_per_round"] == 9 / 5
   assert out["acceptance_rate"] == 4 / 15  # (3 + 1 + 0 + 0) accepted of 5 x 3 drafts
@@ -58,3 +58,9 @@ def test_summarize_counts_only_active_row_rounds():
   stats.ess_rb = np.array([[0.5, 1.0], [0.25, 1.0], [0.75, 0.0]], np.float32)
   ess = metrics.summarize(stats, 9, speculative=True)["ess"]  # the idle row-round left out
   assert ess == pytest.approx((0.5 + 1 + 0.25 + 1 + 0.75) / 5)
+  # SSD: rows 0 and 1 serve prompts 0 and 1; their first rounds cannot be pre-drafted, so
+  # 2 hits of the 5 - 2 rounds that could be (the idle row-round's flag ignored).
+  stats.prompt_rb = np.array([[0, 1], [0, 1], [0, 1]], np.int32)
+  stats.hit_rb = np.array([[0, 0], [1, 0], [1, 1]], bool)
+  out = metrics.summarize(stats, 9, speculative=True)
+  assert (out["hits"], out["hit_rate"]) == (2, 2 / 3)

@@ -46,7 +46,8 @@ def settings_for(config, log: Callable = print) -> list[methods_lib.MethodSettin
 # VerifyParams fields added after results were first written, with the values that keep
 # the earlier behaviour: they enter a fingerprint only when they differ from these, so
 # records of the methods that do not read them still count (as with matmul_precision).
-_LATER_VERIFY_FIELDS = {"particles": 4, "ess_threshold": 0.5, "divergence": "tv"}
+_LATER_VERIFY_FIELDS = {"particles": 4, "ess_threshold": 0.5, "divergence": "tv",
+                        "fanout": 2, "saguaro_scale": 1.0}
 
 
 def verify_fields(verify) -> dict:
@@ -113,6 +114,8 @@ def row_figures(stats, prompt: int, num_tokens: int, speculative: bool,
     out["weight"] = mean_committed_weight(stats, served)
   if "ess" in figures:
     out["ess"] = figures["ess"]
+  if "hits" in figures:
+    out["hits"] = figures["hits"]
   return out
 
 

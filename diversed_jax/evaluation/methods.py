@@ -12,6 +12,9 @@
   typical        Medusa typical acceptance
   smc            SMC speculative decoding, one per particle count in methods.smc_particles
                  (sampling only: decode.temperature > 0)
+  ssd            speculative speculative decoding (exact: the draft pre-drafts the next
+                 round while the target verifies), one per Saguaro scale in
+                 methods.ssd_saguaro_scales, methods.ssd_fanout guesses per accepted length
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 from diversed_jax.speculative.types import VerifyParams
 
 FAMILIES = ("ar", "sd", "sd_finetuned", "lossy", "cascade", "static", "diversed", "mentored",
-            "typical", "smc")
+            "typical", "smc", "ssd")
 # Families drawn as curves on the frontier plot (one line per family, over its grid).
 CURVES = ("lossy", "static", "mentored")
 
@@ -108,6 +111,12 @@ def expand(config) -> list[MethodSetting]:
                    dict(method="smc", particles=int(n), ess_threshold=threshold),
                    [("particles", int(n)), ("ess_threshold", threshold)])
               for n in m.smc_particles]
+    elif family == "ssd":
+      fanout = int(m.ssd_fanout)
+      out += [make(f"ssd(f={fanout},c={_fmt(c)})", family,
+                   dict(method="ssd", fanout=fanout, saguaro_scale=float(c)),
+                   [("fanout", fanout), ("saguaro_scale", float(c))])
+              for c in m.ssd_saguaro_scales]
     else:
       raise ValueError(f"methods.run: unknown method {family!r}; choose from {list(FAMILIES)}")
   return out

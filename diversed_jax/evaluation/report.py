@@ -21,7 +21,7 @@ from diversed_jax.evaluation.methods import CURVES
 
 COLUMNS = ("method", "setting", "params", "dataset", "n_examples", "acceptance_rate",
            "tokens_per_round", "mean_accepted", "expected_accepted_theory", "mean_weight",
-           "mean_ess", "quality_metric", "quality", "quality_stderr", "tokens_per_second",
+           "mean_ess", "hit_rate", "quality_metric", "quality", "quality_stderr", "tokens_per_second",
            "speedup_vs_ar", "seconds")
 
 
@@ -35,6 +35,7 @@ def _row(setting, records: Sequence[dict], extra: dict, dataset: str, metric: st
   rewards = np.asarray([r["reward"] for r in records], np.float64)
   weights = [r["weight"] for r in records if "weight" in r]
   ess = [r["ess"] for r in records if "ess" in r]  # method 'smc' only
+  hits = [(r["hits"], r["rounds"] - 1) for r in records if "hits" in r]  # 'ssd' only
   return {
       "method": setting.family, "setting": setting.name,
       "params": {**setting.params_dict, **extra}, "dataset": dataset, "n_examples": n,
@@ -44,6 +45,9 @@ def _row(setting, records: Sequence[dict], extra: dict, dataset: str, metric: st
       "expected_accepted_theory": sum(r["theory"] for r in records) / rounds if rounds else 0.0,
       "mean_weight": float(np.mean(weights)) if weights else None,
       "mean_ess": float(np.mean(ess)) if ess else None,
+      # Each prompt's first round has nothing before it to be pre-drafted in.
+      "hit_rate": (sum(h for h, _ in hits) / max(1, sum(n for _, n in hits))
+                   if hits else None),
       "quality_metric": metric, "quality": float(rewards.mean()) if n else None,
       "quality_stderr": float(rewards.std(ddof=1) / math.sqrt(n)) if n > 1 else None,
       "tokens_per_second": tokens / seconds if seconds else 0.0,

@@ -152,6 +152,9 @@ def _check_methods(config) -> None:
       _fail("decode.temperature", config.decode.temperature,
             "method 'smc' needs temperature > 0 (it weighs drafts by p/q, which greedy "
             "laws make 0 or 1)")
+  if "ssd" in names:
+    _check_number("methods.ssd_fanout", m.ssd_fanout, 1, None, integer=True)
+    _check_grid("methods.ssd_saguaro_scales", m.ssd_saguaro_scales, 0.0, 1.0, low_open=True)
 
 
 def validate(config) -> None:

@@ -21,7 +21,7 @@ from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
 from diversed_jax.parallel import hosts
 from diversed_jax.parallel import mesh as mesh_lib
-from diversed_jax.speculative import loop, metrics, programs, smc, split_queue
+from diversed_jax.speculative import loop, metrics, programs, smc, split_queue, ssd
 from diversed_jax.speculative.types import VerifyParams
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -157,7 +157,8 @@ class SpeculativeDecoder:
     """Decodes `prompts` (token lists). `batch_size`: rows decoded at once; None decodes
     all prompts as one batch, a smaller value queues the rest and refills finished rows
     (continuous batching; all prompts share one length bucket). Method 'smc' decodes
-    `batch_size` prompts at a time instead, each with its `verify.particles` rows."""
+    `batch_size` prompts at a time instead, each with its `verify.particles` rows;
+    method 'ssd' decodes one prompt at a time (`batch_size` is not used)."""
     if batch_size is not None and not 1 <= batch_size <= len(prompts):
       raise ValueError(f"batch_size={batch_size} must be in [1, {len(prompts)}] "
                        "(the number of prompts) or None")
@@ -170,6 +171,8 @@ class SpeculativeDecoder:
     cache_len = bucket_length(tokens.shape[1] + max_new_tokens + spec.num_draft + 2)
     if verify.method == "smc":
       return self._generate_smc(spec, tokens, lengths, cache_len, seed, batch_size)
+    if verify.method == "ssd":
+      return self._generate_ssd(spec, tokens, lengths, cache_len, seed)
     uses_draft = spec.num_draft > 0
     kwargs = dict(spec=spec, target_config=self.target.config,
                   draft=self.draft if uses_draft else None,
@@ -237,6 +240,55 @@ class SpeculativeDecoder:
       seconds, compile_seconds = seconds + call_seconds, compile_seconds + call_compile
     return _generation(_stack_calls(starts, results, num_prompts), num_prompts, seconds,
                        compile_seconds)
+
+
+  @functools.cached_property
+  def draft_device(self):
+    """Where method 'ssd' runs the draft: the second local device when there is one."""
+    devices = jax.local_devices()
+    return devices[1] if len(devices) > 1 else devices[0]
+
+  def _generate_ssd(self, spec: loop.LoopSpec, tokens, lengths, cache_len: int,
+                    seed: int) -> Generation:
+    """Speculative speculative decoding (`ssd.decode`): the target on the first local
+    device, the draft on `draft_device`, one prompt at a time, each prompt's key folded
+    with its index. Each program compiles once, before its first call, apart from the
+    timed decoding."""
+    if self.mesh is not None:
+      raise ValueError("method 'ssd' places the target and the draft on a device each; "
+                       "it does not run over a mesh")
+    target_device = jax.local_devices()[0]
+    target_params, draft_params = jax.device_put(self._models, target_device)
+    draft_params_d = jax.device_put(draft_params, self.draft_device)
+    compile_seconds = 0.0
+
+    def run(name, fn, args, kwargs):
+      nonlocal compile_seconds
+      def compile_program():
+        with jax.default_matmul_precision(self.matmul_precision):
+          return fn.lower(*args, **kwargs).compile()
+      start = time.perf_counter()
+      program, compiled = self.programs.get(
+          ("ssd", name, spec, tokens.shape[1], cache_len, self.matmul_precision),
+          compile_program)
+      compile_seconds += time.perf_counter() - start if compiled else 0.0
+      return program(*args)
+
+    starts, results = [], []
+    start = time.perf_counter()
+    for prompt in range(tokens.shape[0]):
+      result = ssd.decode(
+          target_params, draft_params, jax.device_put(tokens[prompt:prompt + 1], target_device),
+          jax.device_put(lengths[prompt:prompt + 1], target_device),
+          jax.random.fold_in(jax.random.PRNGKey(seed), prompt), spec=spec,
+          target_config=self.target.config, draft=self.draft, cache_len=cache_len,
+          prefill_chunk=self.prefill_chunk, draft_device=self.draft_device,
+          draft_params_on_device=draft_params_d, run=run)
+      starts.append(prompt)
+      results.append(jax.device_get(result))
+    seconds = time.perf_counter() - start - compile_seconds
+    return _generation(_stack_calls(starts, results, tokens.shape[0]), tokens.shape[0],
+                       seconds, compile_seconds)
 
 
 def _stack_calls(starts, results, num_prompts: int) -> loop.DecodeResult:

@@ -45,6 +45,8 @@ from diversed_jax.speculative.types import METHODS, VerifyParams
 
 # Rules whose bonus token comes from their own law at K+1, which needs q_{K+1}.
 BONUS_NEEDS_DRAFT = ("static", "static_logit", "diversed", "cascade")
+# Methods that draft q_{K+1} too: those rules, and 'ssd', which guesses the bonus from it.
+DRAFTS_LAW_AT_BONUS = BONUS_NEEDS_DRAFT + ("ssd",)
 
 # Prompt tokens per prefill pass: divides every prompt bucket from 64 up, and is short
 # enough that a short prompt in a wide bucket skips most of its padding (see `prefill`).
@@ -74,8 +76,8 @@ class LoopSpec:
 
   @property
   def num_draft_steps(self) -> int:
-    """Draft forward steps per round: K, plus one for q_{K+1} with the ensemble rules."""
-    return self.num_draft + (self.verify.method in BONUS_NEEDS_DRAFT)
+    """Draft forward steps per round: K, plus one for q_{K+1} (DRAFTS_LAW_AT_BONUS)."""
+    return self.num_draft + (self.verify.method in DRAFTS_LAW_AT_BONUS)
 
   def max_rounds(self, num_prompts: int, batch_size: int) -> int:
     """Rounds that always suffice: every active row commits >= 1 token per round, and
@@ -97,6 +99,7 @@ class RoundStats:
   weights_rbk: jax.Array  # w_i on the target (K+1 positions; zeros for rules without a w)
   width_r: jax.Array  # int32, the rows the round ran: B, or a tail width (`tail_widths`)
   ess_rb: jax.Array | None = None  # 'smc' only: effective sample size / particles
+  hit_rb: Any = None  # 'ssd' only (numpy, bool): the round's drafts were pre-drafted
 
 
 @flax.struct.dataclass
@@ -133,11 +136,14 @@ def first_index(mask_bk: jax.Array) -> jax.Array:
 
 
 def draft_round(spec: LoopSpec, draft, draft_params, draft_cache, target_lengths_b,
-                last_two_b2, features_b2d, key):
+                last_two_b2, features_b2d, key, proposal=None):
   """Runs the draft for one round from the loop's cache convention (module doc): the
   draft catches up on the last two committed tokens, then samples `spec.num_draft_steps`.
+  `proposal` (logits -> logits), if given, is the law the drafts are sampled from as a
+  function of the draft's logits; a verification must then apply it too.
 
-  Returns drafts_bk [B, K], draft_logits_bsv [B, steps, V], draft_hidden_bsd, cache.
+  Returns drafts_bk [B, K], draft_logits_bsv [B, steps, V] (the draft's own),
+  draft_hidden_bsd, cache.
   """
   vp = spec.verify
   cache = draft_cache.with_lengths(target_lengths_b - 1)
@@ -146,8 +152,10 @@ def draft_round(spec: LoopSpec, draft, draft_params, draft_cache, target_lengths
                                         last_only=True)
   first = (logits[:, -1], hidden[:, -1])
 
-  sample = functools.partial(distributions.sample_logits, temperature=vp.temperature,
-                             top_p=vp.top_p)
+  def sample(step_key, logits_bv):
+    law = logits_bv if proposal is None else proposal(logits_bv)
+    return distributions.sample_logits(step_key, law, temperature=vp.temperature,
+                                       top_p=vp.top_p)
 
   def step(carry, step_key):
     logits_bv, hidden_bd, cache = carry
@@ -169,20 +177,32 @@ def draft_round(spec: LoopSpec, draft, draft_params, draft_cache, target_lengths
 
 
 def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params, state):
+  """One round: the draft proposes (`draft_round`), then `verify_and_commit`."""
   target_params, draft_params, head_params = params
-  vp = spec.verify
-  k = spec.num_draft
   key, draft_key, verify_key = jax.random.split(state.key, 3)
-  b = state.num_generated_b.shape[0]
-
-  if k == 0:
+  if spec.num_draft == 0:
+    b = state.num_generated_b.shape[0]
+    drafts_bk, draft_logits, draft_hidden = jnp.zeros((b, 0), jnp.int32), None, None
     draft_cache = state.draft_cache
-    drafts_bk = jnp.zeros((b, 0), jnp.int32)
   else:
     drafts_bk, draft_logits, draft_hidden, draft_cache = draft_round(
         spec, draft, draft_params, state.draft_cache, state.target_cache.lengths_b,
         state.last_two_b2, state.features_b2d, draft_key)
+  return verify_and_commit(spec, target_config, weight_fn, target_params, head_params,
+                           state.replace(key=key, draft_cache=draft_cache), drafts_bk,
+                           draft_logits, draft_hidden, verify_key)
 
+
+def verify_and_commit(spec: LoopSpec, target_config: ModelConfig, weight_fn, target_params,
+                      head_params, state: _State, drafts_bk, draft_logits, draft_hidden,
+                      key) -> _State:
+  """Steps 2-4 of a round (module doc) for drafts `drafts_bk` that the draft sampled
+  from `draft_logits` [B, steps, V] (None with K = 0): the target pass, the rule, the commit and
+  the roll-back of the target cache. `state.draft_cache` passes through untouched, and
+  `state.key` is not used (`key` is the rule's)."""
+  vp = spec.verify
+  k = spec.num_draft
+  b = state.num_generated_b.shape[0]
   target_in = jnp.concatenate([state.last_two_b2[:, 1:], drafts_bk], axis=1)
   target_logits, target_hidden, target_cache = transformer.forward(
       target_params, target_config, target_in, state.target_cache)
@@ -191,7 +211,7 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
   weights = jnp.zeros((b, k + 1), jnp.float32)
   if k == 0:
     num_accepted = jnp.zeros((b,), jnp.int32)
-    next_token = distributions.sample_logits(verify_key, target_logits[:, 0], vp.temperature,
+    next_token = distributions.sample_logits(key, target_logits[:, 0], vp.temperature,
                                              vp.top_p)
     accept_prob, beta = zeros_bk, zeros_bk
   else:
@@ -203,11 +223,11 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
     if vp.temperature == 0 and vp.method in verification.TWO_TOKEN_RULES:
       # Greedy drafts and one-hot laws: the rule runs on two tokens per position.
       verdict, outcome = verification.greedy_round(draft_logits, target_logits, vp,
-                                                   weights_bk1, verify_key)
+                                                   weights_bk1, key)
     else:
       verdict = verification.get_rule(vp.method)(draft_logits, target_logits, drafts_bk, vp,
                                                  weights_bk1)
-      outcome = verification.resolve_round(verdict, drafts_bk, verify_key)
+      outcome = verification.resolve_round(verdict, drafts_bk, key)
     num_accepted, next_token = outcome.num_accepted_b, outcome.next_token_b
     accept_prob, beta = verdict.accept_prob_bk, verdict.beta_bk
 
@@ -258,7 +278,7 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
   stats = state.stats
   # Rows dropped by a shrunk tail batch keep their columns' zeros: inactive.
   slots = state.slot_b
-  stats = RoundStats(
+  stats = stats.replace(
       active_rb=stats.active_rb.at[r, slots].set(active),
       prompt_rb=stats.prompt_rb.at[r, slots].set(state.prompt_b),
       num_accepted_rb=stats.num_accepted_rb.at[r, slots].set(num_accepted),
@@ -267,13 +287,11 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
       weights_rbk=stats.weights_rbk.at[r, slots].set(weights.astype(jnp.float32)),
       width_r=stats.width_r.at[r].set(b),
   )
-  return _State(
-      round=r + 1, key=key,
+  return state.replace(
+      round=r + 1,
       target_cache=target_cache.with_lengths(lengths),
-      draft_cache=draft_cache,
       last_two_b2=last_two,
       features_b2d=features,
-      prompt_b=state.prompt_b, slot_b=state.slot_b, next_prompt=state.next_prompt,
       out_qn=out_qn, num_generated_q=state.num_generated_q.at[state.prompt_b].set(num_generated),
       num_generated_b=num_generated, done_b=done, stats=stats)
 
@@ -393,6 +411,30 @@ def _shrink(state: _State, width: int) -> _State:
       done_b=take(state.done_b))
 
 
+def start_state(spec: LoopSpec, key, target_cache, draft_cache, last_two_b2, features_b2d,
+                num_prompts: int, rounds: int) -> _State:
+  """The loop's state after `prefill` of the first B prompts (B = the rows of
+  `last_two_b2`), with room for `rounds` rounds of statistics."""
+  b, k = last_two_b2.shape[0], spec.num_draft
+  return _State(
+      round=jnp.zeros((), jnp.int32), key=key,
+      target_cache=target_cache, draft_cache=draft_cache,
+      last_two_b2=last_two_b2, features_b2d=features_b2d,
+      prompt_b=jnp.arange(b, dtype=jnp.int32), slot_b=jnp.arange(b, dtype=jnp.int32),
+      next_prompt=jnp.asarray(b, jnp.int32),
+      out_qn=jnp.zeros((num_prompts, spec.max_new_tokens + k + 1), jnp.int32),
+      num_generated_q=jnp.zeros((num_prompts,), jnp.int32),
+      num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.zeros((b,), bool),
+      stats=RoundStats(
+          active_rb=jnp.zeros((rounds, b), bool),
+          prompt_rb=jnp.zeros((rounds, b), jnp.int32),
+          num_accepted_rb=jnp.zeros((rounds, b), jnp.int32),
+          accept_prob_rbk=jnp.zeros((rounds, b, k), jnp.float32),
+          beta_rbk=jnp.zeros((rounds, b, k), jnp.float32),
+          weights_rbk=jnp.zeros((rounds, b, k + 1), jnp.float32),
+          width_r=jnp.zeros((rounds,), jnp.int32)))
+
+
 def default_tail_widths(batch_size: int, multiple_of: int = 1) -> tuple[int, ...]:
   """B/2, B/4, ... down to `multiple_of` (a sharded batch keeps whole shards)."""
   widths, width = [], batch_size // 2
@@ -437,9 +479,11 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
   if any(not 1 <= w < v for w, v in zip(tail_widths, (b,) + tail_widths)):
     raise ValueError(f"tail_widths={tail_widths} must decrease from below the batch size "
                      f"{b} to >= 1")
-  k = spec.num_draft
   if spec.verify.method == "smc":
     raise ValueError("method 'smc' weighs particles instead of verifying: smc.decode runs it")
+  if spec.verify.method == "ssd":
+    raise ValueError("method 'ssd' drafts ahead from the host, one prompt at a time: "
+                     "ssd.decode runs it")
   if spec.verify.method == "diversed" and weight_fn is None:
     raise ValueError("method 'diversed' needs an ensemble head (weight_fn)")
 
@@ -448,24 +492,8 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
       prompt_lengths_q[:b], cache_len, prefill_chunk)
 
   rounds = spec.max_rounds(num_prompts, b)
-  state = _State(
-      round=jnp.zeros((), jnp.int32), key=key,
-      target_cache=target_cache, draft_cache=draft_cache,
-      last_two_b2=last_two, features_b2d=features_b2d,
-      prompt_b=jnp.arange(b, dtype=jnp.int32), slot_b=jnp.arange(b, dtype=jnp.int32),
-      next_prompt=jnp.asarray(b, jnp.int32),
-      out_qn=jnp.zeros((num_prompts, spec.max_new_tokens + k + 1), jnp.int32),
-      num_generated_q=jnp.zeros((num_prompts,), jnp.int32),
-      num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.zeros((b,), bool),
-      stats=RoundStats(
-          active_rb=jnp.zeros((rounds, b), bool),
-          prompt_rb=jnp.zeros((rounds, b), jnp.int32),
-          num_accepted_rb=jnp.zeros((rounds, b), jnp.int32),
-          accept_prob_rbk=jnp.zeros((rounds, b, k), jnp.float32),
-          beta_rbk=jnp.zeros((rounds, b, k), jnp.float32),
-          weights_rbk=jnp.zeros((rounds, b, k + 1), jnp.float32),
-          width_r=jnp.zeros((rounds,), jnp.int32)))
-
+  state = start_state(spec, key, target_cache, draft_cache, last_two, features_b2d,
+                      num_prompts, rounds)
   params = (target_params, draft_params, head_params)
   round_fn = functools.partial(_round, spec, target_config, draft, weight_fn, params)
   if b < num_prompts:

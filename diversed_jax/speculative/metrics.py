@@ -26,7 +26,9 @@ def summarize(stats, num_tokens: int, speculative: bool) -> dict:
   expected_accepted_theory (the min-kernel estimator sum_n (prod_{i<n} a_i) beta_n of
   methods.md, averaged over rounds: E[accepted drafts per round] predicted from a and beta).
   Method 'smc' commits every draft (acceptance 1) and adds `ess`, the mean effective
-  sample size over the particles before resampling.
+  sample size over the particles before resampling. Method 'ssd' adds `hits`, the
+  rounds whose drafts were pre-drafted, and `hit_rate`, their share of the rounds that
+  could be (all but each prompt's first).
   """
   active = np.asarray(stats.active_rb, bool)
   row_rounds = int(active.sum())
@@ -37,6 +39,10 @@ def summarize(stats, num_tokens: int, speculative: bool) -> dict:
   if stats.ess_rb is not None:
     ess = np.asarray(stats.ess_rb)[active]
     out["ess"] = float(ess.mean()) if ess.size else 0.0
+  if stats.hit_rb is not None:
+    first_rounds = np.unique(np.asarray(stats.prompt_rb)[active]).size
+    out["hits"] = int(np.asarray(stats.hit_rb)[active].sum())
+    out["hit_rate"] = out["hits"] / max(row_rounds - first_rounds, 1)
   if not speculative or k == 0:
     out.update(acceptance_rate=0.0, mean_accepted=0.0, expected_accepted_theory=0.0)
     return out

@@ -11,7 +11,7 @@ import flax.struct
 import jax
 
 METHODS = ("ar", "sd", "lossy", "static", "static_logit", "diversed", "cascade", "mentored",
-           "typical", "smc")
+           "typical", "smc", "ssd")
 CASCADE_RULES = ("chow", "diff", "opt", "v1", "v2", "v3")
 DIVERGENCES = ("tv", "kl", "chi2")  # mentored decoding's budget D(pi || p)
 
@@ -32,6 +32,9 @@ class VerifyParams:
   particles, ess_threshold: SMC speculative decoding ('smc', see smc.py): drafts per
     prompt, and the effective sample size, as a fraction of `particles`, below which a
     prompt's particles are resampled (0 never resamples, 1 after every round).
+  fanout, saguaro_scale: speculative speculative decoding ('ssd', see ssd.py): token
+    guesses per accepted length that the draft pre-drafts the next round after, and C in
+    (0, 1] scaling the draft's top-`fanout` probabilities (Saguaro sampling; 1 = off).
   """
   method: str = "sd"
   temperature: float = 1.0
@@ -46,6 +49,8 @@ class VerifyParams:
   typical_delta: float = 0.09
   particles: int = 4
   ess_threshold: float = 0.5
+  fanout: int = 2
+  saguaro_scale: float = 1.0
 
 
 @flax.struct.dataclass

@@ -63,6 +63,8 @@ def validate_params(params: VerifyParams, prefix: str = "VerifyParams.") -> None
       ("typical_delta", params.typical_delta >= 0, ">= 0"),
       ("particles", params.particles >= 1, ">= 1"),
       ("ess_threshold", 0 <= params.ess_threshold <= 1, "in [0, 1]"),
+      ("fanout", params.fanout >= 1, ">= 1"),
+      ("saguaro_scale", 0 < params.saguaro_scale <= 1, "in (0, 1]"),
       # Importance weights p/q of one-hot laws are 0 or undefined: nothing to weigh.
       ("temperature", params.method != "smc" or params.temperature > 0,
        "> 0 with method 'smc'"),
@@ -445,15 +447,17 @@ RULES: dict[str, Rule] = {
     "sd": exact, "lossy": lossy, "static": static, "static_logit": static_logit,
     "diversed": diversed, "cascade": cascade, "mentored": mentored, "typical": typical,
 }
-# 'ar' drafts nothing; 'smc' weighs every draft instead of accepting some (smc.py).
-assert set(RULES) == set(METHODS) - {"ar", "smc"}
+# 'ar' drafts nothing; 'smc' weighs every draft instead of accepting some (smc.py); 'ssd'
+# schedules the drafting of 'sd' (ssd.py).
+assert set(RULES) == set(METHODS) - {"ar", "smc", "ssd"}
 
 
 def get_rule(method: str) -> Rule:
   """The rule registered under `method`; ValueError naming it and the choices otherwise."""
   if method not in RULES:
     extra = {"ar": " ('ar' decodes without drafts and has no rule)",
-             "smc": " ('smc' weighs particles instead: speculative.smc)"}.get(method, "")
+             "smc": " ('smc' weighs particles instead: speculative.smc)",
+             "ssd": " ('ssd' verifies with 'sd': speculative.ssd)"}.get(method, "")
     raise ValueError(f"no verification rule for method {method!r}{extra}; "
                      f"choices: {tuple(RULES)}")
   return RULES[method]
