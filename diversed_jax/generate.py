@@ -113,8 +113,9 @@ def main(argv):
     print(json.dumps(record))
   else:
     print(text)
+    hits = f", hit rate {summary['hit_rate']:.3f}" if "hit_rate" in summary else ""
     print(f"[{len(ids)} tokens, {len(ids) / out.seconds:.1f} tokens/s, "
-          f"{summary['rounds']} rounds, acceptance {summary['acceptance_rate']:.3f}]",
+          f"{summary['rounds']} rounds, acceptance {summary['acceptance_rate']:.3f}{hits}]",
           file=sys.stderr)
 
 

@@ -329,13 +329,17 @@ def test_fingerprint_follows_the_call_layout_and_only_its_own_rule_fields():
   typical = fingerprints(**{"methods.typical_delta": 0.2})
   assert typical["ar"] == base["ar"] and typical["sd"] == base["sd"]
   assert typical["typical"] != base["typical"]
-  # The fields added in session 48 (SMC's, mentored's divergence) at their defaults are
-  # not hashed, so records written before they existed keep their fingerprints; moved,
-  # they change their own method's settings only.
+  # The fields added in sessions 48-49 (SMC's, mentored's divergence, SSD's) at their
+  # defaults are not hashed, so records written before they existed keep their
+  # fingerprints; moved, they change their own method's settings only.
   sd = next(s for s in methods.expand(_gsm8k_config(**{"methods.run": "sd"})))
   before = {k: v for k, v in dataclasses.asdict(sd.verify).items()
-            if k not in ("particles", "ess_threshold", "divergence")}
+            if k not in ("particles", "ess_threshold", "divergence", "fanout",
+                         "saguaro_scale")}
   assert evaluate.verify_fields(sd.verify) == before
   smc_base = fingerprints(**{"methods.run": "sd,smc"})
   moved = fingerprints(**{"methods.run": "sd,smc", "methods.smc_ess_threshold": 0.2})
   assert moved["sd"] == smc_base["sd"] and moved["smc(n=4)"] != smc_base["smc(n=4)"]
+  ssd_base = fingerprints(**{"methods.run": "sd,ssd"})
+  moved = fingerprints(**{"methods.run": "sd,ssd", "methods.ssd_fanout": 3})
+  assert moved["sd"] == ssd_base["sd"] and moved["ssd(f=3,c=1)"] != ssd_base["ssd(f=2,c=1)"]

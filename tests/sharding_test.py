@@ -77,6 +77,18 @@ _SCRIPT = textwrap.dedent("""
       raise AssertionError("3 prompts a call over 4 devices were not refused")
     except ValueError as e:
       assert "splits the 3 prompts of a call over 4 devices" in str(e), e
+    # SSD takes a device for the target and one for the draft: the main job refuses it
+    # over a mesh before loading anything.
+    import os, diversed_jax
+    from diversed_jax.evaluation import config_io, context
+    root = os.path.dirname(os.path.dirname(diversed_jax.__file__))
+    job = config_io.load_config(root + "/configs/gsm8k.py", {"decode.batch_size": 4})
+    assert context.decode_mesh(job, families={"sd"}) is not None
+    try:
+      context.decode_mesh(job, families={"sd", "ssd"})
+      raise AssertionError("ssd over a mesh was not refused")
+    except ValueError as e:
+      assert "decode.mesh_data=-1: method 'ssd' places the target" in str(e), e
     # The head's teacher-forced pass: rows split over the 4 devices (a chunk of 3 rows is
     # rounded up to 4), the values those of one device.
     from diversed_jax.training import teacher_forced as tf_lib

@@ -106,12 +106,14 @@ def resolve_head(config, workdir: str | None) -> str | None:
   return head
 
 
-def decode_mesh(config, log=None):
+def decode_mesh(config, log=None, families=()):
   """The mesh that splits the rows of the job's decoding calls (decode.mesh_data), or None
   on one device, where nothing changes. Rows: bench.num_prompts in mode 'bench', else
   decode.batch_size; with a queue (decode.queue > batch_size) each device runs its own
   over a block of the call's examples (speculative/split_queue.py), so the queue must
-  divide over the mesh too. Raises ValueError naming the field that does not divide."""
+  divide over the mesh too. Raises ValueError naming the field that does not divide, or
+  decode.mesh_data when the method `families` to run include 'ssd' (a device each for the
+  target and the draft, no mesh), before anything is decoded."""
   d = config.decode
   data = d.get("mesh_data", -1)
   queued = config.mode != "bench" and d.queue > d.batch_size
@@ -122,6 +124,10 @@ def decode_mesh(config, log=None):
   mesh = mesh_lib.data_mesh(data, rows, rows_field=field)
   if mesh is None:
     return None
+  if "ssd" in families:
+    raise ValueError(f"decode.mesh_data={data}: method 'ssd' places the target and the draft "
+                     "on a device each and does not run over a mesh; set "
+                     "decode.mesh_data=1 to evaluate it")
   size = mesh.shape[mesh_lib.DATA]
   if queued and d.queue % size:
     raise ValueError(f"decode.queue={d.queue}: each of the {size} devices of the mesh "
@@ -152,7 +158,7 @@ def load_models(config, settings, workdir: str | None = None, target=None,
   decoders, info = {}, {"target": target.name}
   options = dict(shrink_tail=config.decode.shrink_tail,
                  matmul_precision=config.decode.matmul_precision,
-                 mesh=decode_mesh(config, log))
+                 mesh=decode_mesh(config, log, families))
   if drafts_needed - {"finetuned"} or not drafts_needed:
     decoder, built = build.build_decoder(
         target, config.model.draft or None, None, head_task,
