@@ -101,6 +101,17 @@ class RoundStats:
   ess_rb: jax.Array | None = None  # 'smc' only: effective sample size / particles
   hit_rb: Any = None  # 'ssd' only (numpy, bool): the round's drafts were pre-drafted
 
+  @classmethod
+  def zeros(cls, rounds: int, columns: int, k: int) -> "RoundStats":
+    """Statistics of `rounds` rounds of `columns` columns, all inactive."""
+    return cls(active_rb=jnp.zeros((rounds, columns), bool),
+               prompt_rb=jnp.zeros((rounds, columns), jnp.int32),
+               num_accepted_rb=jnp.zeros((rounds, columns), jnp.int32),
+               accept_prob_rbk=jnp.zeros((rounds, columns, k), jnp.float32),
+               beta_rbk=jnp.zeros((rounds, columns, k), jnp.float32),
+               weights_rbk=jnp.zeros((rounds, columns, k + 1), jnp.float32),
+               width_r=jnp.zeros((rounds,), jnp.int32))
+
 
 @flax.struct.dataclass
 class DecodeResult:
@@ -425,14 +436,7 @@ def start_state(spec: LoopSpec, key, target_cache, draft_cache, last_two_b2, fea
       out_qn=jnp.zeros((num_prompts, spec.max_new_tokens + k + 1), jnp.int32),
       num_generated_q=jnp.zeros((num_prompts,), jnp.int32),
       num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.zeros((b,), bool),
-      stats=RoundStats(
-          active_rb=jnp.zeros((rounds, b), bool),
-          prompt_rb=jnp.zeros((rounds, b), jnp.int32),
-          num_accepted_rb=jnp.zeros((rounds, b), jnp.int32),
-          accept_prob_rbk=jnp.zeros((rounds, b, k), jnp.float32),
-          beta_rbk=jnp.zeros((rounds, b, k), jnp.float32),
-          weights_rbk=jnp.zeros((rounds, b, k + 1), jnp.float32),
-          width_r=jnp.zeros((rounds,), jnp.int32)))
+      stats=RoundStats.zeros(rounds, b, k))
 
 
 def default_tail_widths(batch_size: int, multiple_of: int = 1) -> tuple[int, ...]:

@@ -231,14 +231,7 @@ def decode(target_params, draft_params, prompt_qp, prompt_lengths_q, key, *,
       out_bn=jnp.zeros((b, spec.max_new_tokens + k + 1), jnp.int32),
       num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.zeros((b,), bool),
       log_weight_b=jnp.zeros((b,), jnp.float32),
-      stats=loop.RoundStats(
-          active_rb=jnp.zeros((rounds, q), bool),
-          prompt_rb=jnp.zeros((rounds, q), jnp.int32),
-          num_accepted_rb=jnp.zeros((rounds, q), jnp.int32),
-          accept_prob_rbk=jnp.zeros((rounds, q, k), jnp.float32),
-          beta_rbk=jnp.zeros((rounds, q, k), jnp.float32),
-          weights_rbk=jnp.zeros((rounds, q, k + 1), jnp.float32),
-          width_r=jnp.zeros((rounds,), jnp.int32),
+      stats=loop.RoundStats.zeros(rounds, q, k).replace(
           ess_rb=jnp.zeros((rounds, q), jnp.float32)))
 
   round_fn = functools.partial(_round, spec, target_config, draft,
