@@ -1,50 +1,50 @@
 r"""Speculative speculative decoding (method 'ssd') on a target and its draft: hit rate,
-acceptance, and the speed-up a second device for the draft would give.
+acceptance, and the speed a second device for the draft would give.
 
   python benchmarks/ssd_speed.py [--target=smollm2-135m-instruct] [--draft=...]
-      [--num_prompts=4] [--max_new_tokens=64] [--num_draft=4] [--fanout=2]
+      [--num_prompts=8] [--max_new_tokens=64] [--num_draft=4] [--fanout=2]
       [--saguaro_scales=1,0.5] [--temperatures=0,1]
 
-Per temperature, GSM8K-test prompts are decoded one at a time by exact speculative
-decoding ('sd', batch 1) and by 'ssd' at each Saguaro scale C. Printed per method:
-acceptance, tokens per round, the hit rate (rounds whose drafts were pre-drafted) and
-tokens/s as measured here. On one device the speculation runs in turn with the target, so
-the measured 'ssd' pays for it instead of hiding it.
+Per temperature, GSM8K-test prompts are decoded one at a time by autoregressive decoding
+and exact speculative decoding ('ar', 'sd': the compiled loop, a one-row queue) and by
+'ssd' at each Saguaro scale C. Printed per method: acceptance, tokens per round, the hit
+rate and tokens/s as measured here, prefills included.
 
-`two_devices` predicts the speed-up over 'sd' with the draft on a device of its own, from
-the step costs measured here (`speculative.step_costs`; t = one target decoding step):
+On one device the draft's programs run after the target's instead of beside them, so the
+measured 'ssd' pays for its speculation. `two_devices` estimates its tokens/s with the
+draft on a device of its own: each program of a second, timed pass (`ssd.decode` with a
+runner that waits for every program) is timed alone, and a round then takes
 
-  sd round  = c2 + (K - 1) c + r
-  ssd round = max(r, s) + (1 - hit) (c2 + K c),   s = c2' + K c'
+  max(verify, guess + speculate) + (the next round's draft on a miss, or its take on a hit)
 
-r the verification, c2 + K c the draft's own round (K + 1 steps: 'ssd' also drafts
-q_{K+1} for its guesses), and s the speculation: the same calls over the C = (K + 1) F
-guessed outcomes' rows (c2', c' measured at C rows). A hit's next drafts are ready when
-the speculation ends; a miss drafts after it. Transfers between the devices and the
-host's per-round dispatch are not in the model. On this CPU a C-row draft step costs
-about C / 3 one-row steps; `rows_free` takes c2' = c2 and c' = c instead, as on a
-device where a small model's step is latency-bound at C rows (the H200 of session 28
-decoded SmolLM2-135M so).
+(the draft's device starts the next round's drafts when both its speculation and the
+verified outcome are there), plus each prompt's prefill and first draft. The programs and
+their costs are this host's; only the overlap is assumed. Transfers between two real
+devices are not in it.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
+import time
 
+import jax
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_setup  # noqa: E402
 
 from diversed_jax.models.kv_cache import bucket_length  # noqa: E402
-from diversed_jax.speculative import metrics, step_costs  # noqa: E402
+from diversed_jax.speculative import decoder as decoder_lib  # noqa: E402
+from diversed_jax.speculative import loop, metrics, ssd  # noqa: E402
 from diversed_jax.speculative.types import VerifyParams  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct", "Target model.")
 _DRAFT = flags.DEFINE_string("draft", None, "Draft spec (default: the target's).")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 4, "GSM8K-test prompts.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "GSM8K-test prompts.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per prompt at most.")
 _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "K.")
 _FANOUT = flags.DEFINE_integer("fanout", 2, "Guesses per accepted length (F).")
@@ -52,11 +52,56 @@ _SCALES = flags.DEFINE_list("saguaro_scales", ["1", "0.5"], "Saguaro scales C.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures.")
 
 
-def two_device_round(costs, guessed: step_costs.StepCosts, k: int, hit_rate: float) -> float:
-  """Seconds of an 'ssd' round with the draft on its own device (module doc)."""
-  own_round = costs.catchup_s + k * costs.draft_s
-  speculation = guessed.catchup_s + k * guessed.draft_s
-  return max(costs.verify_s, speculation) + (1.0 - hit_rate) * own_round
+def two_device_seconds(calls: list[tuple[str, float]]) -> float:
+  """Seconds of one prompt's 'ssd' programs, each timed alone and in call order, with the
+  draft's device working beside the target's (module doc)."""
+  seconds = collections.defaultdict(float)
+  total = 0.0
+  for name, took in calls:
+    if name == "verify" and seconds:  # a round ends: the previous one's programs overlap
+      total += max(seconds["verify"], seconds["guess"] + seconds["speculate"])
+      total += seconds["draft"] + seconds["take"] + seconds["start"]
+      seconds.clear()
+    seconds[name] += took
+  total += max(seconds["verify"], seconds["guess"] + seconds["speculate"])
+  return total + seconds["draft"] + seconds["take"]
+
+
+def timed_ssd(decoder, prompts, verify, k: int, max_new_tokens: int) -> float:
+  """Two-device seconds of decoding `prompts` by 'ssd' (after an untimed pass compiles)."""
+  tokens, lengths = decoder_lib.pad_prompts(prompts)
+  spec = loop.LoopSpec(verify=verify, num_draft=k, max_new_tokens=max_new_tokens,
+                       eos_token_ids=tuple(decoder.target.config.eos_token_ids))
+  cache_len = bucket_length(tokens.shape[1] + max_new_tokens + k + 2)
+  target_params, draft_params = decoder._models
+  draft_params_d = jax.device_put(draft_params, decoder.draft_device)
+
+  def decode_all(calls):
+    def run(name, fn, args, kwargs):
+      start = time.perf_counter()
+      out = jax.block_until_ready(fn(*args, **kwargs))
+      calls.append((name, time.perf_counter() - start))
+      return out
+    for row in range(len(prompts)):
+      ssd.decode(target_params, draft_params, tokens[row:row + 1], lengths[row:row + 1],
+                 jax.random.fold_in(jax.random.PRNGKey(0), row), spec=spec,
+                 target_config=decoder.target.config, draft=decoder.draft,
+                 cache_len=cache_len, prefill_chunk=decoder.prefill_chunk,
+                 draft_device=decoder.draft_device, draft_params_on_device=draft_params_d,
+                 run=run)
+      calls.append(("end", 0.0))
+
+  decode_all([])  # compiles
+  calls = []
+  decode_all(calls)
+  seconds, prompt_calls = 0.0, []
+  for name, took in calls:
+    if name == "end":
+      seconds += two_device_seconds(prompt_calls)
+      prompt_calls = []
+    else:
+      prompt_calls.append((name, took))
+  return seconds
 
 
 def main(argv):
@@ -64,36 +109,34 @@ def main(argv):
   _, tokenizer, decoder, info = bench_setup.load_decoder(_TARGET.value, _DRAFT.value)
   prompts = bench_setup.gsm8k_test_prompts(tokenizer, _NUM_PROMPTS.value)
   k, fanout = _NUM_DRAFT.value, _FANOUT.value
-  cache_len = bucket_length(max(map(len, prompts)) + _MAX_NEW.value + k + 2)
-  costs = step_costs.measure(decoder, 1, k, cache_len)
-  guessed = step_costs.measure(decoder, (k + 1) * fanout, k, cache_len)
   print(json.dumps({"host": bench_setup.host_info(), "draft": info.get("draft"),
-                    "step_costs_batch1": costs.__dict__,
-                    f"step_costs_batch{(k + 1) * fanout}": guessed.__dict__}))
-  sd_round = costs.round_s(k)
+                    "draft_device": str(decoder.draft_device)}))
   for temperature in map(float, _TEMPERATURES.value):
-    settings = [("sd", VerifyParams(method="sd", temperature=temperature))]
+    settings = [(m, VerifyParams(method=m, temperature=temperature)) for m in ("ar", "sd")]
     settings += [(f"ssd(f={fanout},c={c})",
                   VerifyParams(method="ssd", temperature=temperature, fanout=fanout,
                                saguaro_scale=float(c))) for c in _SCALES.value]
-    sd_per_s = None
+    per_s = {}
     for name, verify in settings:
       out = decoder.generate(prompts, verify, num_draft=k, max_new_tokens=_MAX_NEW.value,
                              batch_size=1, seed=0)
-      summary = metrics.summarize(out.stats, out.num_tokens, speculative=True)
+      if out.compile_seconds:  # timed again, compiled
+        out = decoder.generate(prompts, verify, num_draft=k, max_new_tokens=_MAX_NEW.value,
+                               batch_size=1, seed=0)
+      summary = metrics.summarize(out.stats, out.num_tokens, verify.method != "ar")
+      per_s[name] = out.num_tokens / out.seconds
       row = {"temperature": temperature, "method": name,
              "acceptance": round(summary["acceptance_rate"], 3),
              "tokens_per_round": round(summary["tokens_per_round"], 3),
-             "tokens_per_s_here": round(out.num_tokens / out.seconds, 1)}
-      if verify.method == "sd":
-        sd_per_s = summary["tokens_per_round"] / sd_round
-      else:
-        hit = summary["hit_rate"]
-        per_s = summary["tokens_per_round"] / two_device_round(costs, guessed, k, hit)
-        rows_free = summary["tokens_per_round"] / two_device_round(costs, costs, k, hit)
-        row.update(hit_rate=round(hit, 3), two_devices_vs_sd=round(per_s / sd_per_s, 3),
-                   two_devices_vs_ar=round(per_s * costs.decode_s, 3),
-                   rows_free_vs_sd=round(rows_free / sd_per_s, 3))
+             "tokens_per_s_here": round(per_s[name], 1)}
+      if verify.method == "ssd":
+        two = out.num_tokens / timed_ssd(decoder, prompts, verify, k, _MAX_NEW.value)
+        row.update(hit_rate=round(summary["hit_rate"], 3),
+                   two_devices_tokens_per_s=round(two, 1),
+                   two_devices_vs_sd=round(two / per_s["sd"], 3),
+                   two_devices_vs_ar=round(two / per_s["ar"], 3))
+      elif verify.method == "sd":
+        row["vs_ar"] = round(per_s["sd"] / per_s["ar"], 3)
       print(json.dumps(row), flush=True)
 
 

@@ -159,7 +159,9 @@ def _draft(draft_params, draft_cache, target_lengths_b, last_two_b2, features_b2
                             last_two_b2, features_b2d, key, proposal(spec.verify))
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "target_config"))
+# The state is donated: its caches are updated in place (undonated, XLA copies the whole
+# target cache every round: 59 -> 47 ms a round on SmolLM2-135M, 2-core CPU).
+@functools.partial(jax.jit, static_argnames=("spec", "target_config"), donate_argnames=("state",))
 def _verify(target_params, state, drafts_bk, draft_logits_bsv, key, *, spec, target_config):
   """The round on the target's device; (state, [n, next token, done] of the row)."""
   k = spec.num_draft
@@ -243,8 +245,10 @@ def decode(target_params, draft_params, prompt_1p, length_1, key, *, spec: loop.
       jnp.arange(rounds + 1)))
 
   def row_inputs(state):
-    """What the draft's device needs of the target's state: lengths, last two, features."""
-    return on_draft((state.target_cache.lengths_b, state.last_two_b2, state.features_b2d))
+    """What the draft's device needs of the target's state: lengths, last two, features
+    (copies even on the same device: the next verification donates the state)."""
+    return jax.device_put((state.target_cache.lengths_b, state.last_two_b2,
+                           state.features_b2d), draft_device, may_alias=False)
 
   draft_kwargs = dict(spec=spec, draft=draft)
   inputs = row_inputs(state)
