@@ -156,7 +156,8 @@ def test_ssd_settings_and_their_refusals():
   validate(config)
   for field, value, message in [
       ("methods.ssd_fanout", 0, r"methods.ssd_fanout=0: must be >= 1"),
-      ("methods.ssd_saguaro_scales", (0.0,), r"ssd_saguaro_scales=\(0.0,\): value 0.0: must be > 0"),
+      ("methods.ssd_saguaro_scales", (0.0,),
+       r"ssd_saguaro_scales=\(0.0,\): value 0.0: must be > 0"),
       ("methods.ssd_saguaro_scales", (1.5,), r"value 1.5: must be <= 1"),
   ]:
     with pytest.raises(ValueError, match=message):

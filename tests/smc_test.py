@@ -10,6 +10,7 @@ from diversed_jax.speculative import decoder as decoder_lib
 from diversed_jax.speculative import drafts, loop, metrics, smc, verification
 from diversed_jax.speculative.types import VerifyParams
 from tests import tiny_pair
+from tests.tiny_pair import PROMPT, VOCAB, next_laws
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +23,8 @@ def _decode(models, rows, particles, max_new_tokens, ess_threshold=0.5, seed=3, 
   spec = loop.LoopSpec(verify=VerifyParams(method="smc", particles=particles,
                                            ess_threshold=ess_threshold),
                        num_draft=1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
-  tokens = jnp.asarray([tiny_pair.PROMPT + [0] * 4] * rows, jnp.int32)
-  return smc.decode(target_params, draft_params, tokens, jnp.full((rows,), len(tiny_pair.PROMPT)),
+  tokens = jnp.asarray([PROMPT + [0] * 4] * rows, jnp.int32)
+  return smc.decode(target_params, draft_params, tokens, jnp.full((rows,), len(PROMPT)),
                     jax.random.PRNGKey(seed), spec=spec, target_config=target_config,
                     draft=draft, cache_len=16)
 
@@ -33,7 +34,7 @@ def _tv(counts, law) -> float:
 
 
 def _pair_counts(tokens) -> np.ndarray:
-  counts = np.zeros((tiny_pair.VOCAB, tiny_pair.VOCAB))
+  counts = np.zeros((VOCAB, VOCAB))
   np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
   return counts
 
@@ -62,9 +63,9 @@ def test_one_round_law_approaches_the_target_as_particles_grow(models):
   3,000 prompts; tolerance 0.07 (the 121-cell joint's sampling error at this size is about
   0.03, and self-normalised weights over 32 particles leave a bias of about as much)."""
   target_config, target_params, draft, draft_params = models
-  p1 = tiny_pair.next_laws(target_config, target_params, [tiny_pair.PROMPT])[0]
-  q1 = tiny_pair.next_laws(draft.config, draft_params, [tiny_pair.PROMPT])[0]
-  p2 = tiny_pair.next_laws(target_config, target_params, [tiny_pair.PROMPT + [x] for x in range(tiny_pair.VOCAB)])
+  p1 = next_laws(target_config, target_params, [PROMPT])[0]
+  q1 = next_laws(draft.config, draft_params, [PROMPT])[0]
+  p2 = next_laws(target_config, target_params, [PROMPT + [x] for x in range(VOCAB)])
   target_law, draft_then_target = p1[:, None] * p2, q1[:, None] * p2
   assert 0.5 * np.abs(target_law - draft_then_target).sum() > 0.5  # the test can fail
   one = _pair_counts(np.asarray(_decode(models, 3000, 1, 2).tokens_qn))
@@ -78,17 +79,17 @@ def test_resampling_keeps_later_rounds_near_the_target(models):
   second round's draft weighs alone; never resampling multiplies both rounds' weights
   and leaves fewer effective particles. 2,000 prompts of 32 particles."""
   target_config, target_params, _, _ = models
-  p1 = tiny_pair.next_laws(target_config, target_params, [tiny_pair.PROMPT])[0]
-  p2 = tiny_pair.next_laws(target_config, target_params, [tiny_pair.PROMPT + [x] for x in range(tiny_pair.VOCAB)])
+  p1 = next_laws(target_config, target_params, [PROMPT])[0]
+  p2 = next_laws(target_config, target_params, [PROMPT + [x] for x in range(VOCAB)])
   joint12 = p1[:, None] * p2
-  p3 = tiny_pair.next_laws(target_config, target_params,
-                  [tiny_pair.PROMPT + [a, b] for a in range(tiny_pair.VOCAB) for b in range(tiny_pair.VOCAB)])
+  p3 = next_laws(target_config, target_params,
+                  [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
   law3 = joint12.reshape(-1) @ p3
   always = _decode(models, 2000, 32, 4, ess_threshold=1.0)
   never = _decode(models, 2000, 32, 4, ess_threshold=0.0)
   tokens_always, tokens_never = np.asarray(always.tokens_qn), np.asarray(never.tokens_qn)
   assert _tv(_pair_counts(tokens_always), joint12) < 0.1
-  assert _tv(np.bincount(tokens_always[:, 2], minlength=tiny_pair.VOCAB).astype(float), law3) < 0.08
+  assert _tv(np.bincount(tokens_always[:, 2], minlength=VOCAB).astype(float), law3) < 0.08
   assert (_tv(_pair_counts(tokens_always), joint12) + 0.05
           < _tv(_pair_counts(tokens_never), joint12))
   # The weights before each resampling: a flat draft leaves few effective particles.
@@ -114,7 +115,7 @@ def test_particles_stop_at_eos_and_the_length_limit(models):
   spec = loop.LoopSpec(verify=VerifyParams(method="smc", particles=4), num_draft=2,
                        max_new_tokens=7, eos_token_ids=(eos,))
   rows = 64
-  result = smc.decode(target_params, draft_params, jnp.asarray([tiny_pair.PROMPT + [0] * 4] * rows),
+  result = smc.decode(target_params, draft_params, jnp.asarray([PROMPT + [0] * 4] * rows),
                       jnp.full((rows,), 4), jax.random.PRNGKey(0), spec=spec,
                       target_config=target_config, draft=draft, cache_len=16)
   assert int(result.num_rounds) <= 3 == smc.num_rounds(spec)
@@ -175,7 +176,7 @@ def test_smc_refuses_greedy_decoding_and_bad_particles(models):
   with pytest.raises(ValueError, match=r"ess_threshold must be in \[0, 1\], got 1.5"):
     verification.validate_params(VerifyParams(method="smc", ess_threshold=1.5))
   target_config, target_params, draft, draft_params = models
-  args = (jnp.asarray([tiny_pair.PROMPT + [0] * 4]), jnp.asarray([4]), jax.random.PRNGKey(0))
+  args = (jnp.asarray([PROMPT + [0] * 4]), jnp.asarray([4]), jax.random.PRNGKey(0))
   kwargs = dict(target_config=target_config, draft=draft, cache_len=16)
   greedy = loop.LoopSpec(verify=VerifyParams(method="smc", temperature=0.0), num_draft=1)
   with pytest.raises(ValueError, match="temperature must be > 0"):

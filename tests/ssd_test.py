@@ -20,6 +20,7 @@ from diversed_jax.speculative import decoder as decoder_lib
 from diversed_jax.speculative import drafts, loop, metrics, ssd, verification
 from diversed_jax.speculative.types import VerifyParams
 from tests import tiny_pair
+from tests.tiny_pair import PROMPT, VOCAB, next_laws
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_each_guessed_outcome_is_drafted_as_fresh_drafting_would(models):
   k, fanout = 3, 2
   spec = loop.LoopSpec(verify=VerifyParams(method="ssd", fanout=fanout), num_draft=k,
                        max_new_tokens=8)
-  prompt = jnp.asarray([tiny_pair.PROMPT + [0] * 4], jnp.int32)
+  prompt = jnp.asarray([PROMPT + [0] * 4], jnp.int32)
   state, draft_cache = ssd._start(target_params, draft_params, prompt, jnp.asarray([4]),
                                   spec=spec, target_config=target_config, draft=draft,
                                   cache_len=32, prefill_chunk=loop.PREFILL_CHUNK)
@@ -78,7 +79,7 @@ def test_each_guessed_outcome_is_drafted_as_fresh_drafting_would(models):
   for a in range(k + 1):
     for f in range(fanout):
       row = a * fanout + f
-      committed = tiny_pair.PROMPT + d[:a] + [int(guesses[0, a, f])]
+      committed = PROMPT + d[:a] + [int(guesses[0, a, f])]
       sequence = committed + np.asarray(cand_drafts[row]).tolist()
       plain = transformer.forward_jit(draft_params, draft.config, jnp.asarray([sequence]))[0]
       expected = plain[0, len(committed) - 1:]  # the laws of the K drafts and of K + 1
@@ -93,7 +94,7 @@ def test_saguaro_sampling_scales_the_top_probabilities_by_c():
   law = ssd.proposal(verify)
   assert ssd.proposal(VerifyParams(method="ssd", temperature=temperature)) is None  # C = 1
   assert ssd.proposal(dataclasses.replace(verify, temperature=0.0)) is None  # greedy
-  logits = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (2, tiny_pair.VOCAB)), np.float64)
+  logits = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (2, VOCAB)), np.float64)
   scaled = np.asarray(law(jnp.asarray(logits, jnp.float32)), np.float64)
   for row in range(2):
     q = np.exp(logits[row] / temperature) / np.exp(logits[row] / temperature).sum()
@@ -106,7 +107,7 @@ def test_saguaro_sampling_scales_the_top_probabilities_by_c():
 
 def test_greedy_ssd_reproduces_plain_greedy_decoding(models):
   decoder = _decoder(models)
-  prompts = [tiny_pair.PROMPT, [5, 6, 7], [9, 1, 2, 8, 3]]
+  prompts = [PROMPT, [5, 6, 7], [9, 1, 2, 8, 3]]
   plain = decoder.generate(prompts, VerifyParams(method="ar", temperature=0.0),
                            max_new_tokens=12, eos_token_ids=(3,))
   ahead = decoder.generate(prompts, VerifyParams(method="ssd", temperature=0.0, fanout=3),
@@ -125,13 +126,13 @@ def test_a_feature_draft_pre_drafts_from_its_own_features(models):
   target_config, target_params, _, _ = models
   kind_config = architectures.draft_config("feature", target_config, 1, 16, 2, 1, 24)
   draft = architectures.DistilledDraft("feature", kind_config, target_config.hidden_size,
-                                       tiny_pair.VOCAB)
+                                       VOCAB)
   params = {"train": architectures.init_train_params(draft, jax.random.PRNGKey(1),
                                                      target_params, std=0.3),
-            "frozen": architectures.frozen_params(target_params, np.arange(tiny_pair.VOCAB))}
+            "frozen": architectures.frozen_params(target_params, np.arange(VOCAB))}
   decoder = decoder_lib.SpeculativeDecoder(
       decoder_lib.ModelHandle(target_config, target_params), draft, params)
-  prompts = [tiny_pair.PROMPT, [5, 6, 7], [9, 1, 2, 8, 3]]
+  prompts = [PROMPT, [5, 6, 7], [9, 1, 2, 8, 3]]
   plain = decoder.generate(prompts, VerifyParams(method="ar", temperature=0.0),
                            max_new_tokens=16, eos_token_ids=())
   ahead = decoder.generate(prompts, VerifyParams(method="ssd", temperature=0.0, fanout=3),
@@ -147,7 +148,7 @@ def test_a_draft_equal_to_the_target_has_every_round_pre_drafted(models):
   decoder = decoder_lib.SpeculativeDecoder(
       decoder_lib.ModelHandle(target_config, target_params), drafts.LMDraft(target_config),
       target_params)
-  out = decoder.generate([tiny_pair.PROMPT, [5, 6, 7]], VerifyParams(method="ssd", temperature=0.0),
+  out = decoder.generate([PROMPT, [5, 6, 7]], VerifyParams(method="ssd", temperature=0.0),
                          num_draft=3, max_new_tokens=16, eos_token_ids=())
   summary = metrics.summarize(out.stats, out.num_tokens, speculative=True)
   assert summary["hit_rate"] == 1.0 and summary["hits"] == summary["rounds"] - 2
@@ -162,17 +163,17 @@ def test_sampled_ssd_output_follows_the_target_law(models):
   than 0.5 away. (Exact verification is exact for any proposal, so this checks that the
   pre-drafts are verified against the law they were drawn from, with keys of their own.)"""
   target_config, target_params, draft, draft_params = models
-  p1 = tiny_pair.next_laws(target_config, target_params, [tiny_pair.PROMPT])[0]
-  p2 = tiny_pair.next_laws(target_config, target_params, [tiny_pair.PROMPT + [x] for x in range(tiny_pair.VOCAB)])
-  q1 = tiny_pair.next_laws(draft.config, draft_params, [tiny_pair.PROMPT])[0]
-  q2 = tiny_pair.next_laws(draft.config, draft_params, [tiny_pair.PROMPT + [x] for x in range(tiny_pair.VOCAB)])
+  p1 = next_laws(target_config, target_params, [PROMPT])[0]
+  p2 = next_laws(target_config, target_params, [PROMPT + [x] for x in range(VOCAB)])
+  q1 = next_laws(draft.config, draft_params, [PROMPT])[0]
+  q2 = next_laws(draft.config, draft_params, [PROMPT + [x] for x in range(VOCAB)])
   target_law = p1[:, None] * p2
   assert 0.5 * np.abs(target_law - q1[:, None] * q2).sum() > 0.5  # the test can fail
   out = _decoder(models).generate(
-      [tiny_pair.PROMPT] * 1000, VerifyParams(method="ssd", temperature=1.0, fanout=3,
+      [PROMPT] * 1000, VerifyParams(method="ssd", temperature=1.0, fanout=3,
                                     saguaro_scale=0.5),
       num_draft=1, max_new_tokens=2, eos_token_ids=(), seed=5)
-  counts = np.zeros((tiny_pair.VOCAB, tiny_pair.VOCAB))
+  counts = np.zeros((VOCAB, VOCAB))
   tokens = np.asarray(out.token_ids)
   np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
   tv = 0.5 * np.abs(counts / counts.sum() - target_law).sum()
@@ -226,16 +227,18 @@ print(json.dumps({"same": ahead.token_ids == plain.token_ids,
 def test_refusals(models):
   with pytest.raises(ValueError, match="ssd.decode runs it"):
     target_config, target_params, draft, draft_params = models
-    loop.decode(target_params, draft_params, None, jnp.asarray([tiny_pair.PROMPT]), jnp.asarray([4]),
+    loop.decode(target_params, draft_params, None, jnp.asarray([PROMPT]),
+                jnp.asarray([4]),
                 jax.random.PRNGKey(0), spec=loop.LoopSpec(VerifyParams(method="ssd")),
                 target_config=target_config, draft=draft, cache_len=16)
   for field, value, want in (("fanout", 0, ">= 1"), ("saguaro_scale", 0.0, "in (0, 1]"),
                              ("saguaro_scale", 1.5, "in (0, 1]")):
-    with pytest.raises(ValueError, match=rf"VerifyParams.{field} must be {want.replace('(', '[(]')}"):
+    want = want.replace("(", "[(]")
+    with pytest.raises(ValueError, match=rf"VerifyParams.{field} must be {want}"):
       verification.validate_params(VerifyParams(method="ssd", **{field: value}))
   with pytest.raises(ValueError, match="no verification rule for method 'ssd'.*'sd'"):
     verification.get_rule("ssd")
   decoder = _decoder(models)
   decoder.mesh = mesh_lib.make_mesh(1)
   with pytest.raises(ValueError, match="does not run over a mesh"):
-    decoder.generate([tiny_pair.PROMPT], VerifyParams(method="ssd"))
+    decoder.generate([PROMPT], VerifyParams(method="ssd"))

@@ -21,8 +21,8 @@ from diversed_jax.evaluation.methods import CURVES
 
 COLUMNS = ("method", "setting", "params", "dataset", "n_examples", "acceptance_rate",
            "tokens_per_round", "mean_accepted", "expected_accepted_theory", "mean_weight",
-           "mean_ess", "hit_rate", "quality_metric", "quality", "quality_stderr", "tokens_per_second",
-           "speedup_vs_ar", "seconds")
+           "mean_ess", "hit_rate", "quality_metric", "quality", "quality_stderr",
+           "tokens_per_second", "speedup_vs_ar", "seconds")
 
 
 def _row(setting, records: Sequence[dict], extra: dict, dataset: str, metric: str) -> dict:

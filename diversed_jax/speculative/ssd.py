@@ -18,8 +18,9 @@ outcome they are distributed as fresh drafts would be: the output law is the tar
 
 Saguaro sampling (`VerifyParams.saguaro_scale` C < 1) drafts from q', the draft's law
 with its top-F probabilities scaled by C and renormalised (`saguaro_logits`), and
-verifies against q' (exact for any proposal); the guesses stay the draft's own top F. The residual norm((p - q')+) that a rejection
-samples from then puts more of its mass on those top-F tokens, which the guesses cover.
+verifies against q' (exact for any proposal). The residual norm((p - q')+) that a
+rejection samples from then puts more of its mass on those top-F tokens, which the
+guesses (still the draft's own top F) cover.
 
 A feature draft (EAGLE-style) reads target hidden states that a pre-draft cannot know
 yet: the guesses' rows read the draft's own predicted features in their place (a law of
