@@ -73,8 +73,7 @@ def timed_ssd(decoder, prompts, verify, k: int, max_new_tokens: int) -> float:
   spec = loop.LoopSpec(verify=verify, num_draft=k, max_new_tokens=max_new_tokens,
                        eos_token_ids=tuple(decoder.target.config.eos_token_ids))
   cache_len = bucket_length(tokens.shape[1] + max_new_tokens + k + 2)
-  target_params, draft_params = decoder._models
-  draft_params_d = jax.device_put(draft_params, decoder.draft_device)
+  target_params, draft_params, draft_params_d = decoder._ssd_models
 
   def decode_all(calls):
     def run(name, fn, args, kwargs):

@@ -198,17 +198,22 @@ class SpeculativeDecoder:
     result, seconds, compile_seconds = self._run(decode_fn, args, kwargs, signature)
     return _generation(result, len(prompts), seconds, compile_seconds)
 
-  def _run(self, decode_fn, args, kwargs, signature):
-    """Runs `decode_fn` compiled once per `signature` (and precision): (host result,
-    seconds of the compiled call, seconds spent compiling it)."""
+  def _compiled(self, fn, args, kwargs, signature):
+    """`fn` compiled once per `signature` (and precision) for `args`: (the program,
+    seconds spent compiling it now, 0 when it was compiled before)."""
     def compile_program():
       with jax.default_matmul_precision(self.matmul_precision):
-        return decode_fn.lower(*args, **kwargs).compile()
+        return fn.lower(*args, **kwargs).compile()
 
     start = time.perf_counter()
     program, compiled = self.programs.get((*signature, self.matmul_precision),
                                           compile_program)
-    compile_seconds = time.perf_counter() - start if compiled else 0.0
+    return program, time.perf_counter() - start if compiled else 0.0
+
+  def _run(self, decode_fn, args, kwargs, signature):
+    """Runs `decode_fn` compiled once per `signature` (and precision): (host result,
+    seconds of the compiled call, seconds spent compiling it)."""
+    program, compile_seconds = self._compiled(decode_fn, args, kwargs, signature)
     start = time.perf_counter()
     result = jax.block_until_ready(program(*args))
     seconds = time.perf_counter() - start
@@ -248,6 +253,13 @@ class SpeculativeDecoder:
     devices = jax.local_devices()
     return devices[1] if len(devices) > 1 else devices[0]
 
+  @functools.cached_property
+  def _ssd_models(self):
+    """(target, draft, draft on `draft_device`) parameters for method 'ssd', copied to
+    their devices once rather than at every call."""
+    target_params, draft_params = jax.device_put(self._models, jax.local_devices()[0])
+    return target_params, draft_params, jax.device_put(draft_params, self.draft_device)
+
   def _generate_ssd(self, spec: loop.LoopSpec, tokens, lengths, cache_len: int,
                     seed: int) -> Generation:
     """Speculative speculative decoding (`ssd.decode`): the target on the first local
@@ -258,20 +270,14 @@ class SpeculativeDecoder:
       raise ValueError("method 'ssd' places the target and the draft on a device each; "
                        "it does not run over a mesh")
     target_device = jax.local_devices()[0]
-    target_params, draft_params = jax.device_put(self._models, target_device)
-    draft_params_d = jax.device_put(draft_params, self.draft_device)
+    target_params, draft_params, draft_params_d = self._ssd_models
     compile_seconds = 0.0
 
     def run(name, fn, args, kwargs):
       nonlocal compile_seconds
-      def compile_program():
-        with jax.default_matmul_precision(self.matmul_precision):
-          return fn.lower(*args, **kwargs).compile()
-      start = time.perf_counter()
-      program, compiled = self.programs.get(
-          ("ssd", name, spec, tokens.shape[1], cache_len, self.matmul_precision),
-          compile_program)
-      compile_seconds += time.perf_counter() - start if compiled else 0.0
+      program, seconds = self._compiled(fn, args, kwargs,
+                                        ("ssd", name, spec, tokens.shape[1], cache_len))
+      compile_seconds += seconds
       return program(*args)
 
     starts, results = [], []
