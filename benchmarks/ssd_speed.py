@@ -3,12 +3,13 @@ acceptance, and the speed a second device for the draft would give.
 
   python benchmarks/ssd_speed.py [--target=smollm2-135m-instruct] [--draft=...]
       [--num_prompts=8] [--max_new_tokens=64] [--num_draft=4] [--fanout=2]
-      [--saguaro_scales=1,0.5] [--temperatures=0,1]
+      [--guess_budgets=0,4] [--saguaro_scales=1,0.5] [--temperatures=0,1]
 
 Per temperature, GSM8K-test prompts are decoded one at a time by autoregressive decoding
 and exact speculative decoding ('ar', 'sd': the compiled loop, a one-row queue) and by
-'ssd' at each Saguaro scale C. Printed per method: acceptance, tokens per round, the hit
-rate and tokens/s as measured here, prefills included.
+'ssd' at each guess budget B (0: all (K + 1) F guesses) and Saguaro scale C. Printed per
+method: acceptance, tokens per round, the hit rate and tokens/s as measured here,
+prefills included; for 'ssd' also its programs' mean times a call (`ms`).
 
 On one device the draft's programs run after the target's instead of beside them, so the
 measured 'ssd' pays for its speculation. `two_devices` estimates its tokens/s with the
@@ -48,6 +49,8 @@ _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "GSM8K-test prompts.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per prompt at most.")
 _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "K.")
 _FANOUT = flags.DEFINE_integer("fanout", 2, "Guesses per accepted length (F).")
+_BUDGETS = flags.DEFINE_list("guess_budgets", ["0", "4"],
+                             "Guess budgets B (0: all (K + 1) F guesses).")
 _SCALES = flags.DEFINE_list("saguaro_scales", ["1", "0.5"], "Saguaro scales C.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures.")
 
@@ -67,8 +70,9 @@ def two_device_seconds(calls: list[tuple[str, float]]) -> float:
   return total + seconds["draft"] + seconds["take"]
 
 
-def timed_ssd(decoder, prompts, verify, k: int, max_new_tokens: int) -> float:
-  """Two-device seconds of decoding `prompts` by 'ssd' (after an untimed pass compiles)."""
+def timed_ssd(decoder, prompts, verify, k: int, max_new_tokens: int):
+  """(two-device seconds of decoding `prompts` by 'ssd', each program's mean milliseconds
+  a call), after an untimed pass compiles."""
   tokens, lengths = decoder_lib.pad_prompts(prompts)
   spec = loop.LoopSpec(verify=verify, num_draft=k, max_new_tokens=max_new_tokens,
                        eos_token_ids=tuple(decoder.target.config.eos_token_ids))
@@ -94,13 +98,15 @@ def timed_ssd(decoder, prompts, verify, k: int, max_new_tokens: int) -> float:
   calls = []
   decode_all(calls)
   seconds, prompt_calls = 0.0, []
+  per_program = collections.defaultdict(list)
   for name, took in calls:
     if name == "end":
       seconds += two_device_seconds(prompt_calls)
       prompt_calls = []
     else:
       prompt_calls.append((name, took))
-  return seconds
+      per_program[name].append(took)
+  return seconds, {name: round(1e3 * sum(t) / len(t), 1) for name, t in per_program.items()}
 
 
 def main(argv):
@@ -112,9 +118,10 @@ def main(argv):
                     "draft_device": str(decoder.draft_device)}))
   for temperature in map(float, _TEMPERATURES.value):
     settings = [(m, VerifyParams(method=m, temperature=temperature)) for m in ("ar", "sd")]
-    settings += [(f"ssd(f={fanout},c={c})",
+    settings += [(f"ssd(f={fanout}" + (f",b={b}" if int(b) else "") + f",c={c})",
                   VerifyParams(method="ssd", temperature=temperature, fanout=fanout,
-                               saguaro_scale=float(c))) for c in _SCALES.value]
+                               guess_budget=int(b), saguaro_scale=float(c)))
+                 for b in _BUDGETS.value for c in _SCALES.value]
     per_s = {}
     for name, verify in settings:
       out = decoder.generate(prompts, verify, num_draft=k, max_new_tokens=_MAX_NEW.value,
@@ -129,8 +136,9 @@ def main(argv):
              "tokens_per_round": round(summary["tokens_per_round"], 3),
              "tokens_per_s_here": round(per_s[name], 1)}
       if verify.method == "ssd":
-        two = out.num_tokens / timed_ssd(decoder, prompts, verify, k, _MAX_NEW.value)
-        row.update(hit_rate=round(summary["hit_rate"], 3),
+        seconds, ms = timed_ssd(decoder, prompts, verify, k, _MAX_NEW.value)
+        two = out.num_tokens / seconds
+        row.update(hit_rate=round(summary["hit_rate"], 3), ms=ms,
                    two_devices_tokens_per_s=round(two, 1),
                    two_devices_vs_sd=round(two / per_s["sd"], 3),
                    two_devices_vs_ar=round(two / per_s["ar"], 3))

@@ -95,6 +95,7 @@ def base() -> ml_collections.ConfigDict:
   c.methods.smc_particles = (4,)  # SMC speculative decoding grid of particles per prompt
   c.methods.smc_ess_threshold = 0.5  # SMC: resample when ESS <= this x particles
   c.methods.ssd_fanout = 2  # speculative speculative decoding: guesses per accepted length
+  c.methods.ssd_guess_budget = 0  # > 0: pre-draft only the likeliest this many of them
   c.methods.ssd_saguaro_scales = (1.0,)  # its grid of Saguaro scales C in (0, 1] (1 = off)
 
   c.eval = ml_collections.ConfigDict()

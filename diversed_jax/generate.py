@@ -19,7 +19,7 @@ from absl import app, flags, logging
 from diversed_jax import cli
 from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.models import loading
-from diversed_jax.speculative import build, metrics, verification
+from diversed_jax.speculative import build, metrics, ssd, verification
 from diversed_jax.speculative.decoder import MATMUL_PRECISIONS
 from diversed_jax.speculative.types import CASCADE_RULES, DIVERGENCES, METHODS, VerifyParams
 
@@ -50,6 +50,9 @@ _ESS_THRESHOLD = flags.DEFINE_float(
 _FANOUT = flags.DEFINE_integer(
     "fanout", 2, "Speculative speculative decoding (ssd): token guesses per accepted length "
     "that the draft pre-drafts the next round after.")
+_GUESS_BUDGET = flags.DEFINE_integer(
+    "guess_budget", 0, "ssd: if > 0, pre-draft only this many of the (num_draft + 1) x "
+    "--fanout guesses, the likeliest by the draft's law.")
 _SAGUARO_SCALE = flags.DEFINE_float(
     "saguaro_scale", 1.0, "ssd: scale C in (0, 1] of the draft's top --fanout "
     "probabilities (Saguaro sampling; 1 = off).")
@@ -67,7 +70,8 @@ def verify_params_from_flags() -> VerifyParams:
                       cascade_rule=_CASCADE_RULE.value, cascade_alpha=_CASCADE_ALPHA.value,
                       epsilon=_EPSILON.value, divergence=_DIVERGENCE.value,
                       particles=_PARTICLES.value, ess_threshold=_ESS_THRESHOLD.value,
-                      fanout=_FANOUT.value, saguaro_scale=_SAGUARO_SCALE.value)
+                      fanout=_FANOUT.value, guess_budget=_GUESS_BUDGET.value,
+                      saguaro_scale=_SAGUARO_SCALE.value)
 
 
 def check_flags() -> VerifyParams:
@@ -83,6 +87,8 @@ def check_flags() -> VerifyParams:
   verify = verify_params_from_flags()
   with cli.usage_errors():
     verification.validate_params(verify, prefix="--")  # its fields are this program's flags
+    if verify.method == "ssd":
+      ssd.check_budget(verify, _NUM_DRAFT.value, prefix="--")
   if not speculative and _DRAFT.value is not None:
     logging.warning("--method=ar decodes with the target alone; --draft=%s is not used.",
                     _DRAFT.value)

@@ -153,9 +153,17 @@ def test_ssd_settings_and_their_refusals():
   settings = methods.expand(config)
   assert [s.name for s in settings] == ["sd", "ssd(f=3,c=1)", "ssd(f=3,c=0.5)"]
   assert (settings[2].verify.fanout, settings[2].verify.saguaro_scale) == (3, 0.5)
+  assert settings[2].verify.guess_budget == 0
   validate(config)
+  budgeted = _load("gsm8k", **{"methods.run": "ssd", "methods.ssd_guess_budget": 4})
+  (setting,) = methods.expand(budgeted)
+  assert setting.name == "ssd(f=2,b=4,c=1)" and setting.verify.guess_budget == 4
+  validate(budgeted)
   for field, value, message in [
       ("methods.ssd_fanout", 0, r"methods.ssd_fanout=0: must be >= 1"),
+      ("methods.ssd_guess_budget", -1, r"methods.ssd_guess_budget=-1: must be >= 0"),
+      ("methods.ssd_guess_budget", 99, r"methods.ssd_guess_budget=99: must be at most "
+       r"\(decode.num_draft \+ 1\) x methods.ssd_fanout = "),
       ("methods.ssd_saguaro_scales", (0.0,),
        r"ssd_saguaro_scales=\(0.0,\): value 0.0: must be > 0"),
       ("methods.ssd_saguaro_scales", (1.5,), r"value 1.5: must be <= 1"),

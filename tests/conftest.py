@@ -1,5 +1,6 @@
-"""Test set-up: CPU only, several fake devices for sharding tests, no network, and compiled
-programs released before they exhaust the process's memory mappings."""
+"""Test set-up: CPU only, no network, fast compiles in test subprocesses
+(tests/xla_flags.py), and compiled programs released before they exhaust the process's
+memory mappings."""
 
 import gc
 import os
@@ -13,6 +14,9 @@ import jax  # noqa: E402  (after the platform is chosen)
 import pytest  # noqa: E402
 
 from diversed_jax.speculative.programs import mapping_count, mapping_limit  # noqa: E402
+from tests import xla_flags  # noqa: E402
+
+xla_flags.for_subprocesses()
 
 
 # XLA:CPU maps each compiled kernel's code and data into the process, and jit's caches keep

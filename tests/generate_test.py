@@ -55,7 +55,7 @@ def test_generate_json_for_autoregressive_and_speculative(tiny_model_folder):
   assert smc["acceptance_rate"] == 1.0 and 0.5 <= smc["ess"] <= 1.0
   assert smc["rounds"] == -(-smc["num_tokens"] // 4)  # every round commits K + 1 tokens
   ssd = _generate(tiny_model_folder, "--temperature=0", "--method=ssd", "--draft=self:1",
-                  "--num_draft=3", "--fanout=3")
+                  "--num_draft=3", "--fanout=3", "--guess_budget=5")
   assert ssd["token_ids"] == ar["token_ids"]  # pre-drafting changes no output
   assert 0.0 <= ssd["hit_rate"] <= 1.0
 
@@ -84,6 +84,8 @@ def test_generate_rejects_a_draft_with_another_vocabulary(tiny_model_folder, tmp
     (["--method=mentored", "--divergence=js"], "flag --divergence=js: value should be one of"),
     (["--method=smc", "--temperature=1", "--particles=0"], "--particles must be >= 1, got 0"),
     (["--method=ssd", "--saguaro_scale=0"], "--saguaro_scale must be in (0, 1], got 0.0"),
+    (["--method=ssd", "--num_draft=3", "--guess_budget=9"],
+     "--guess_budget=9 exceeds the (K + 1) x fanout = 8 guesses"),
 ])
 def test_generate_rejects_bad_flags_before_loading_a_model(flags, message):
   # The target does not exist: the run must stop at the flags, naming the bad one.

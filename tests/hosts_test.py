@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from diversed_jax.parallel import hosts
-from tests import two_processes
+from tests import two_processes, xla_flags
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
@@ -37,7 +37,7 @@ _SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def results():
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=xla_flags.flags(devices=2))
   outs = two_processes.run(lambda i: [sys.executable, "-c", _SCRIPT], env, timeout=240)
   return [json.loads(next(line for line in out.splitlines()
                           if line.startswith("RESULT "))[len("RESULT "):]) for out in outs]

@@ -335,7 +335,7 @@ def test_fingerprint_follows_the_call_layout_and_only_its_own_rule_fields():
   sd = next(s for s in methods.expand(_gsm8k_config(**{"methods.run": "sd"})))
   before = {k: v for k, v in dataclasses.asdict(sd.verify).items()
             if k not in ("particles", "ess_threshold", "divergence", "fanout",
-                         "saguaro_scale")}
+                         "guess_budget", "saguaro_scale")}
   assert evaluate.verify_fields(sd.verify) == before
   smc_base = fingerprints(**{"methods.run": "sd,smc"})
   moved = fingerprints(**{"methods.run": "sd,smc", "methods.smc_ess_threshold": 0.2})
@@ -343,3 +343,6 @@ def test_fingerprint_follows_the_call_layout_and_only_its_own_rule_fields():
   ssd_base = fingerprints(**{"methods.run": "sd,ssd"})
   moved = fingerprints(**{"methods.run": "sd,ssd", "methods.ssd_fanout": 3})
   assert moved["sd"] == ssd_base["sd"] and moved["ssd(f=3,c=1)"] != ssd_base["ssd(f=2,c=1)"]
+  moved = fingerprints(**{"methods.run": "sd,ssd", "methods.ssd_guess_budget": 4})
+  assert moved["sd"] == ssd_base["sd"]
+  assert moved["ssd(f=2,b=4,c=1)"] != ssd_base["ssd(f=2,c=1)"]

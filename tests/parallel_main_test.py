@@ -15,6 +15,7 @@ import pytest
 
 from diversed_jax.evaluation import runner, tiny
 from tests import two_processes as two_processes_lib
+from tests import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ar and a draft-using ensemble at a temperature > 0: sampled tokens, acceptance, rewards.
@@ -35,10 +36,7 @@ def tiny_dir(tmp_path_factory):
 def _env(tiny_dir, devices=1, **extra):
   env = {k: v for k, v in os.environ.items() if k != "JAX_COORDINATOR_ADDRESS"}
   env.update(JAX_PLATFORMS="cpu", DIVERSED_TINY_DIR=tiny_dir, **extra)
-  if devices > 1:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-  else:
-    env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = xla_flags.flags(devices)
   return env
 
 

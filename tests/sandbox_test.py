@@ -199,7 +199,7 @@ def _write_attempts(outside, victim, victim_dir):
       f"import pathlib\npathlib.Path({str(outside)!r}).write_text('x')",
       f"import os\nos.open({str(outside)!r}, os.O_WRONLY | os.O_CREAT)",
       f"import os\nos.symlink({str(outside)!r}, 'link')\nopen('link', 'w').write('x')",
-      f"import os\nos.chdir('..')\nopen('escaped.txt', 'w').write('x')",
+      "import os\nos.chdir('..')\nopen('escaped.txt', 'w').write('x')",
       f"import shutil\nshutil.copy(__file__, {str(outside)!r})",
       f"import os\nos.remove({str(victim)!r})",
       f"import os\nos.rename({str(victim)!r}, {str(outside)!r})",

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests import xla_flags
+
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from diversed_jax.models import ModelConfig, init_params
@@ -107,7 +109,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_data_parallel_mesh_gives_identical_tokens():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ, XLA_FLAGS=xla_flags.flags(devices=4),
              JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -163,7 +165,7 @@ _DISTILL_SCRIPT = textwrap.dedent("""
 
 
 def test_distillation_splits_its_windows_and_matches_one_device(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ, XLA_FLAGS=xla_flags.flags(devices=4),
              JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", _DISTILL_SCRIPT, str(tmp_path)], env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -19,7 +19,7 @@ from diversed_jax.parallel import mesh as mesh_lib
 from diversed_jax.speculative import decoder as decoder_lib
 from diversed_jax.speculative import drafts, loop, metrics, ssd, verification
 from diversed_jax.speculative.types import VerifyParams
-from tests import tiny_pair
+from tests import tiny_pair, xla_flags
 from tests.tiny_pair import PROMPT, VOCAB, next_laws
 
 
@@ -46,21 +46,50 @@ def test_guesses_skip_the_rejected_draft_and_follow_the_draft_law():
 
 
 def test_hit_row_finds_the_verified_outcome_among_the_guesses():
-  guesses = np.asarray([[3, 5], [7, 3], [1, 2]])  # K = 2, F = 2
-  assert ssd.hit_row(guesses, 0, 5) == 1
-  assert ssd.hit_row(guesses, 1, 3) == 3
-  assert ssd.hit_row(guesses, 2, 1) == 4
-  assert ssd.hit_row(guesses, 1, 5) is None  # guessed after another accepted length
+  accepted = np.asarray([0, 0, 1, 1, 2, 2])  # K = 2, F = 2
+  bonus = np.asarray([3, 5, 7, 3, 1, 2])
+  assert ssd.hit_row(accepted, bonus, 0, 5) == 1
+  assert ssd.hit_row(accepted, bonus, 1, 3) == 3
+  assert ssd.hit_row(accepted, bonus, 2, 1) == 4
+  assert ssd.hit_row(accepted, bonus, 1, 5) is None  # guessed after another accepted length
 
 
-def test_each_guessed_outcome_is_drafted_as_fresh_drafting_would(models):
-  """Every candidate row c = a F + f must hold the draft's laws after the prefix that
-  outcome commits, prompt + d_1..d_a + guess: its K + 1 laws against one plain forward of
-  the draft over prompt + d_1..d_a + guess + the row's own drafts."""
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_a_budget_keeps_the_outcomes_the_draft_finds_likeliest(temperature):
+  """guess_budget B: of the (K + 1) F top-F guesses, the B with the largest draft
+  probability of the committed tokens, q_1(d_1) ... q_a(d_a) q_{a+1}(t), in that order;
+  budget 0 keeps all of them, a-major."""
+  k, fanout, budget = 3, 2, 5
+  logits = jax.random.normal(jax.random.PRNGKey(3), (1, k + 1, VOCAB)) * 2.0
+  logits = logits.at[0, 0, 4].add(6.0)  # d_1 likely: outcomes after it outrank a = 0's
+  drafts_1k = jnp.asarray([[4, 0, 9]])
+  every = ssd.guess_outcomes(drafts_1k, logits, fanout)
+  guesses = np.asarray(ssd.guess_bonus(drafts_1k, logits, fanout))[0]
+  np.testing.assert_array_equal(every[0], np.repeat(np.arange(k + 1), fanout))
+  np.testing.assert_array_equal(every[1], guesses.reshape(-1))
+
+  scale = temperature or 1.0
+  q = np.asarray(jax.nn.softmax(np.asarray(logits[0], np.float64) / scale), np.float64)
+  chance = {}
+  for a in range(k + 1):
+    path = np.prod([q[i, d] for i, d in enumerate([4, 0, 9][:a])])
+    for t in guesses[a]:
+      chance[(a, int(t))] = path * q[a, t]
+  want = sorted(chance, key=chance.get, reverse=True)[:budget]
+  accepted, bonus = ssd.guess_outcomes(drafts_1k, logits, fanout, budget, temperature)
+  assert list(zip(np.asarray(accepted).tolist(), np.asarray(bonus).tolist())) == want
+  assert want[0][0] == 1  # the likeliest comes after d_1: not the a-major order
+
+
+@pytest.mark.parametrize("budget", [0, 5])
+def test_each_guessed_outcome_is_drafted_as_fresh_drafting_would(models, budget):
+  """Every candidate row g, accepting a drafts then token t, must hold the draft's laws
+  after the prefix that outcome commits, prompt + d_1..d_a + t: its K + 1 laws against one
+  plain forward of the draft over prompt + d_1..d_a + t + the row's own drafts."""
   target_config, target_params, draft, draft_params = models
   k, fanout = 3, 2
-  spec = loop.LoopSpec(verify=VerifyParams(method="ssd", fanout=fanout), num_draft=k,
-                       max_new_tokens=8)
+  spec = loop.LoopSpec(verify=VerifyParams(method="ssd", fanout=fanout, guess_budget=budget),
+                       num_draft=k, max_new_tokens=8)
   prompt = jnp.asarray([PROMPT + [0] * 4], jnp.int32)
   state, draft_cache = ssd._start(target_params, draft_params, prompt, jnp.asarray([4]),
                                   spec=spec, target_config=target_config, draft=draft,
@@ -70,21 +99,21 @@ def test_each_guessed_outcome_is_drafted_as_fresh_drafting_would(models):
                                                       jax.random.PRNGKey(1), spec=spec,
                                                       draft=draft)
   assert logits.shape[1] == k + 1  # q_{K+1} too, for the a = K guesses
-  guesses = ssd._guess(drafts_1k, logits, fanout=fanout)
+  outcomes = ssd._guess(drafts_1k, logits, fanout=fanout, budget=budget, temperature=1.0)
   cand_drafts, cand_logits, _, _ = ssd._speculate(
-      draft_params, draft_cache, drafts_1k, hidden, guesses, *inputs, jax.random.PRNGKey(2),
+      draft_params, draft_cache, drafts_1k, hidden, outcomes, *inputs, jax.random.PRNGKey(2),
       spec=spec, draft=draft)
-  assert cand_drafts.shape == ((k + 1) * fanout, k)
+  assert cand_drafts.shape == (budget or (k + 1) * fanout, k)
   d = np.asarray(drafts_1k)[0].tolist()
-  for a in range(k + 1):
-    for f in range(fanout):
-      row = a * fanout + f
-      committed = PROMPT + d[:a] + [int(guesses[0, a, f])]
-      sequence = committed + np.asarray(cand_drafts[row]).tolist()
-      plain = transformer.forward_jit(draft_params, draft.config, jnp.asarray([sequence]))[0]
-      expected = plain[0, len(committed) - 1:]  # the laws of the K drafts and of K + 1
-      np.testing.assert_allclose(cand_logits[row], expected, atol=2e-4,
-                                 err_msg=f"accepted {a}, guess {f}")
+  accepted, bonus = (np.asarray(x).tolist() for x in outcomes)
+  assert len(set(accepted)) > 1  # outcomes after several accepted lengths
+  for row, (a, t) in enumerate(zip(accepted, bonus)):
+    committed = PROMPT + d[:a] + [t]
+    sequence = committed + np.asarray(cand_drafts[row]).tolist()
+    plain = transformer.forward_jit(draft_params, draft.config, jnp.asarray([sequence]))[0]
+    expected = plain[0, len(committed) - 1:]  # the laws of the K drafts and of K + 1
+    np.testing.assert_allclose(cand_logits[row], expected, atol=2e-4,
+                               err_msg=f"accepted {a}, guess {t}")
 
 
 def test_saguaro_sampling_scales_the_top_probabilities_by_c():
@@ -113,6 +142,10 @@ def test_greedy_ssd_reproduces_plain_greedy_decoding(models):
   ahead = decoder.generate(prompts, VerifyParams(method="ssd", temperature=0.0, fanout=3),
                            num_draft=3, max_new_tokens=12, eos_token_ids=(3,))
   assert ahead.token_ids == plain.token_ids
+  budgeted = decoder.generate(prompts, VerifyParams(method="ssd", temperature=0.0, fanout=3,
+                                                    guess_budget=2),
+                              num_draft=3, max_new_tokens=12, eos_token_ids=(3,))
+  assert budgeted.token_ids == plain.token_ids
   assert any(3 in t for t in plain.token_ids)  # one stops on EOS
   summary = metrics.summarize(ahead.stats, ahead.num_tokens, speculative=True)
   assert 0.0 <= summary["hit_rate"] <= 1.0
@@ -213,7 +246,7 @@ print(json.dumps({"same": ahead.token_ids == plain.token_ids,
                   "ran_on": {k: sorted(v) for k, v in ran_on.items()}}))
 """
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=xla_flags.flags(devices=2))
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         env=env, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -231,11 +264,15 @@ def test_refusals(models):
                 jnp.asarray([4]),
                 jax.random.PRNGKey(0), spec=loop.LoopSpec(VerifyParams(method="ssd")),
                 target_config=target_config, draft=draft, cache_len=16)
-  for field, value, want in (("fanout", 0, ">= 1"), ("saguaro_scale", 0.0, "in (0, 1]"),
+  for field, value, want in (("fanout", 0, ">= 1"), ("guess_budget", -1, ">= 0"),
+                             ("saguaro_scale", 0.0, "in (0, 1]"),
                              ("saguaro_scale", 1.5, "in (0, 1]")):
     want = want.replace("(", "[(]")
     with pytest.raises(ValueError, match=rf"VerifyParams.{field} must be {want}"):
       verification.validate_params(VerifyParams(method="ssd", **{field: value}))
+  with pytest.raises(ValueError, match=r"guess_budget=9 exceeds the \(K \+ 1\) x fanout = 8"):
+    ssd.check_budget(VerifyParams(method="ssd", fanout=2, guess_budget=9), 3)
+  ssd.check_budget(VerifyParams(method="ssd", fanout=2, guess_budget=8), 3)
   with pytest.raises(ValueError, match="no verification rule for method 'ssd'.*'sd'"):
     verification.get_rule("ssd")
   decoder = _decoder(models)

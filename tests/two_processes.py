@@ -1,6 +1,5 @@
 """Two processes joined by jax.distributed on localhost, for the multi-host tests."""
 
-import os
 import socket
 import subprocess
 

@@ -47,7 +47,7 @@ def settings_for(config, log: Callable = print) -> list[methods_lib.MethodSettin
 # the earlier behaviour: they enter a fingerprint only when they differ from these, so
 # records of the methods that do not read them still count (as with matmul_precision).
 _LATER_VERIFY_FIELDS = {"particles": 4, "ess_threshold": 0.5, "divergence": "tv",
-                        "fanout": 2, "saguaro_scale": 1.0}
+                        "fanout": 2, "guess_budget": 0, "saguaro_scale": 1.0}
 
 
 def verify_fields(verify) -> dict:

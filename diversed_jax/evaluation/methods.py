@@ -15,6 +15,7 @@
   ssd            speculative speculative decoding (exact: the draft pre-drafts the next
                  round while the target verifies), one per Saguaro scale in
                  methods.ssd_saguaro_scales, methods.ssd_fanout guesses per accepted length
+                 (methods.ssd_guess_budget > 0: that many of them in all, the likeliest)
 """
 
 from __future__ import annotations
@@ -112,10 +113,13 @@ def expand(config) -> list[MethodSetting]:
                    [("particles", int(n)), ("ess_threshold", threshold)])
               for n in m.smc_particles]
     elif family == "ssd":
-      fanout = int(m.ssd_fanout)
-      out += [make(f"ssd(f={fanout},c={_fmt(c)})", family,
-                   dict(method="ssd", fanout=fanout, saguaro_scale=float(c)),
-                   [("fanout", fanout), ("saguaro_scale", float(c))])
+      fanout, budget = int(m.ssd_fanout), int(m.ssd_guess_budget)
+      shown = f"f={fanout}" + (f",b={budget}" if budget else "")
+      out += [make(f"ssd({shown},c={_fmt(c)})", family,
+                   dict(method="ssd", fanout=fanout, guess_budget=budget,
+                        saguaro_scale=float(c)),
+                   [("fanout", fanout)] + ([("guess_budget", budget)] if budget else [])
+                   + [("saguaro_scale", float(c))])
               for c in m.ssd_saguaro_scales]
     else:
       raise ValueError(f"methods.run: unknown method {family!r}; choose from {list(FAMILIES)}")

@@ -154,6 +154,11 @@ def _check_methods(config) -> None:
             "laws make 0 or 1)")
   if "ssd" in names:
     _check_number("methods.ssd_fanout", m.ssd_fanout, 1, None, integer=True)
+    _check_number("methods.ssd_guess_budget", m.ssd_guess_budget, 0, None, integer=True)
+    guesses = (config.decode.num_draft + 1) * m.ssd_fanout
+    if m.ssd_guess_budget > guesses:
+      _fail("methods.ssd_guess_budget", m.ssd_guess_budget,
+            f"must be at most (decode.num_draft + 1) x methods.ssd_fanout = {guesses}")
     _check_grid("methods.ssd_saguaro_scales", m.ssd_saguaro_scales, 0.0, 1.0, low_open=True)
 
 

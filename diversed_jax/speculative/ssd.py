@@ -9,7 +9,8 @@ Each round of one prompt:
      0..K, the F tokens it finds likeliest to follow (`guess_bonus`: its top F at
      position a + 1 except the rejected d_{a+1}; at a = K its top F of q_{K+1}), and
      drafts the next round after each of those (K + 1) F outcomes at once, as the rows of
-     one batch (`speculate`);
+     one batch (`speculate`); with a budget B (`VerifyParams.guess_budget`), after the B
+     of them it finds likeliest (`guess_outcomes`);
   3. if the verified outcome (n, token) is among the guesses, the next round's drafts are
      ready (a hit); otherwise the draft drafts them after the outcome (a miss: the serial
      path of plain speculative decoding).
@@ -31,8 +32,9 @@ latency): the target's and the draft's programs run on their own devices and ove
 JAX's asynchronous dispatch. With one device both run there in turn: correct, with
 nothing to overlap.
 
-Shape legend: K drafts per round, F guesses per accepted length, C = (K + 1) F candidate
-rows, P prompt bucket, S draft steps (K + 1), V vocabulary.
+Shape legend: K drafts per round, F guesses per accepted length, G guessed outcomes
+(candidate rows: (K + 1) F, or `VerifyParams.guess_budget`), P prompt bucket, S draft
+steps (K + 1), V vocabulary.
 """
 
 from __future__ import annotations
@@ -96,35 +98,64 @@ def guess_bonus(drafts_bk: jax.Array, draft_logits_bsv: jax.Array, fanout: int) 
   (under Saguaro sampling, the tokens q' scales down): the draft's top F at position
   a + 1 without d_{a+1} (a rejected draft has p < q there, so no residual mass), and at
   a = K its top F of q_{K+1} (the bonus law p_{K+1} is the target's)."""
+  return _top_guesses(drafts_bk, draft_logits_bsv, fanout)[1]
+
+
+def _top_guesses(drafts_bk, draft_logits_bsv, fanout: int):
+  """(their logits [B, K + 1, F], token guesses [B, K + 1, F]) of `guess_bonus`."""
   b, k = drafts_bk.shape
   logits = draft_logits_bsv[:, :k + 1]
   logits = logits.at[jnp.arange(b)[:, None], jnp.arange(k)[None], drafts_bk].set(_NEG_LOGIT)
-  return jax.lax.top_k(logits, fanout)[1].astype(jnp.int32)
+  top, tokens = jax.lax.top_k(logits, fanout)
+  return top, tokens.astype(jnp.int32)
 
 
-def candidates(drafts_1k, guesses_1kf, target_length_1, last_two_12, features_12d,
+def guess_outcomes(drafts_1k, draft_logits_1sv, fanout: int, budget: int = 0,
+                   temperature: float = 1.0):
+  """The guessed outcomes of one row's round: (accepted lengths [G], bonus tokens [G]).
+
+  budget 0: all of `guess_bonus`'s (K + 1) F, outcome g = a F + f accepting a drafts
+  then guesses[a, f]. budget B > 0: the B of them that the draft finds likeliest, in
+  that order. Saguaro allocates its budget by a geometric law of the accepted length;
+  here each outcome's chance is estimated from the draft alone: P(a, t) = P(d_1..d_a
+  accepted, then t) ~ q_1(d_1) ... q_a(d_a) q_{a+1}(t) (q's acceptance chance standing in
+  for min(1, p/q), and its residual q(t) / (1 - q(d)) for the target's), the draft's
+  probability of the committed tokens. Greedy (temperature 0) reads q at temperature 1.
+  """
+  k = drafts_1k.shape[1]
+  top, tokens = _top_guesses(drafts_1k, draft_logits_1sv, fanout)
+  if not budget:
+    return jnp.repeat(jnp.arange(k + 1), fanout), tokens[0].reshape(-1)
+  scale = temperature if temperature > 0 else 1.0
+  logits = draft_logits_1sv[0, :k + 1].astype(jnp.float32) / scale
+  log_norm = jax.nn.logsumexp(logits, axis=-1)  # [K + 1]
+  drafted = jnp.take_along_axis(logits[:k], drafts_1k[0, :, None], axis=-1)[:, 0]
+  path = jnp.concatenate([jnp.zeros(1), jnp.cumsum(drafted - log_norm[:k])])  # [K + 1]
+  score = path[:, None] + top[0].astype(jnp.float32) / scale - log_norm[:, None]
+  best = jax.lax.top_k(score.reshape(-1), budget)[1]
+  return best // fanout, tokens[0].reshape(-1)[best]
+
+
+def candidates(drafts_1k, accepted_g, bonus_g, target_length_1, last_two_12, features_12d,
                draft_hidden_1sd):
-  """The C = (K + 1) F guessed outcomes of one row's round, row c = a F + f accepting a
-  drafts then token guesses[a, f], in the loop's convention (loop.py's module doc):
-  (target lengths [C], last two committed tokens [C, 2], the features that predicted
-  them [C, 2, D])."""
-  k, fanout = guesses_1kf.shape[1] - 1, guesses_1kf.shape[2]
-  accepted_c = jnp.repeat(jnp.arange(k + 1), fanout)
-  bonus_c = guesses_1kf[0].reshape(-1)
+  """The G guessed outcomes of one row's round (`guess_outcomes`), outcome g accepting
+  accepted_g[g] drafts then bonus_g[g], in the loop's convention (loop.py's module doc):
+  (target lengths [G], last two committed tokens [G, 2], the features that predicted
+  them [G, 2, D])."""
   x0 = last_two_12[0, 1]
-  prev_c = jnp.where(accepted_c == 0, x0, drafts_1k[0, jnp.maximum(accepted_c - 1, 0)])
+  prev_g = jnp.where(accepted_g == 0, x0, drafts_1k[0, jnp.maximum(accepted_g - 1, 0)])
   features = features_12d[0]
   if draft_hidden_1sd.shape[-1] == features.shape[-1]:
     # The draft's hidden state at a step stands in for the target's that predicted the
     # same token (what a feature draft is trained to predict).
     guessed = draft_hidden_1sd[0].astype(features.dtype)
-    prev_feature = jnp.where((accepted_c == 0)[:, None], features[1],
-                             guessed[jnp.maximum(accepted_c - 1, 0)])
-    bonus_feature = guessed[accepted_c]
+    prev_feature = jnp.where((accepted_g == 0)[:, None], features[1],
+                             guessed[jnp.maximum(accepted_g - 1, 0)])
+    bonus_feature = guessed[accepted_g]
   else:  # a draft of another width cannot read target features: it ignores them
-    prev_feature = bonus_feature = jnp.zeros((accepted_c.shape[0], features.shape[-1]),
+    prev_feature = bonus_feature = jnp.zeros((accepted_g.shape[0], features.shape[-1]),
                                              features.dtype)
-  return (target_length_1[0] + accepted_c + 1, jnp.stack([prev_c, bonus_c], axis=1),
+  return (target_length_1[0] + accepted_g + 1, jnp.stack([prev_g, bonus_g], axis=1),
           jnp.stack([prev_feature, bonus_feature], axis=1))
 
 
@@ -176,18 +207,19 @@ def _verify(target_params, state, drafts_bk, draft_logits_bsv, key, *, spec, tar
   return state, outcome
 
 
-@functools.partial(jax.jit, static_argnames=("fanout",))
-def _guess(drafts_bk, draft_logits_bsv, *, fanout):
-  return guess_bonus(drafts_bk, draft_logits_bsv, fanout)
+@functools.partial(jax.jit, static_argnames=("fanout", "budget", "temperature"))
+def _guess(drafts_1k, draft_logits_1sv, *, fanout, budget, temperature):
+  """(accepted lengths [G], bonus tokens [G]) of `guess_outcomes`."""
+  return guess_outcomes(drafts_1k, draft_logits_1sv, fanout, budget, temperature)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "draft"))
-def _speculate(draft_params, draft_cache, drafts_1k, draft_hidden_1sd, guesses_1kf,
+def _speculate(draft_params, draft_cache, drafts_1k, draft_hidden_1sd, outcomes,
                target_length_1, last_two_12, features_12d, key, *, spec, draft):
-  """Drafts the next round after every guessed outcome: the C rows' drafts, laws, hidden
+  """Drafts the next round after every guessed outcome: the G rows' drafts, laws, hidden
   states and caches (the round's draft cache copied to each row)."""
   lengths_c, last_two_c2, features_c2d = candidates(
-      drafts_1k, guesses_1kf, target_length_1, last_two_12, features_12d, draft_hidden_1sd)
+      drafts_1k, *outcomes, target_length_1, last_two_12, features_12d, draft_hidden_1sd)
   cache_c = draft_cache.take_rows(jnp.zeros(lengths_c.shape, jnp.int32))
   with _row_independent(spec):
     return loop.draft_round(spec, draft, draft_params, cache_c, lengths_c, last_two_c2,
@@ -202,10 +234,21 @@ def _take(speculation, row):
   return one(drafts), one(logits), one(hidden), cache.take_rows(row[None])
 
 
-def hit_row(guesses_kf: np.ndarray, num_accepted: int, token: int) -> int | None:
-  """The candidate row (a F + f) of the verified outcome, or None on a miss."""
-  found = np.flatnonzero(guesses_kf[num_accepted] == token)
-  return None if found.size == 0 else num_accepted * guesses_kf.shape[1] + int(found[0])
+def hit_row(accepted_g: np.ndarray, bonus_g: np.ndarray, num_accepted: int,
+            token: int) -> int | None:
+  """The candidate row of the verified outcome among the guessed ones, or None (a miss)."""
+  found = np.flatnonzero((accepted_g == num_accepted) & (bonus_g == token))
+  return None if found.size == 0 else int(found[0])
+
+
+def check_budget(verify, num_draft: int, prefix: str = "VerifyParams.") -> None:
+  """Raises ValueError unless `verify.guess_budget` is 0 or at most the (K + 1) F guesses
+  it chooses from (naming it as `prefix` + guess_budget)."""
+  guesses = (num_draft + 1) * verify.fanout
+  if verify.guess_budget > guesses:
+    raise ValueError(f"{prefix}guess_budget={verify.guess_budget} exceeds the "
+                     f"(K + 1) x fanout = {guesses} guesses it chooses from (K = {num_draft}, "
+                     f"fanout {verify.fanout})")
 
 
 def decode(target_params, draft_params, prompt_1p, length_1, key, *, spec: loop.LoopSpec,
@@ -219,8 +262,8 @@ def decode(target_params, draft_params, prompt_1p, length_1, key, *, spec: loop.
     draft_device: where the draft runs (None: the target's device);
       `draft_params_on_device` its copy of `draft_params` (None: copied here).
     prompt_1p, length_1: one right-padded prompt [1, P] and its length [1].
-    spec: method 'ssd'; `spec.verify.fanout` guesses per accepted length and
-      `saguaro_scale` (see the module doc).
+    spec: method 'ssd'; `spec.verify.fanout` guesses per accepted length, of which
+      `guess_budget` (if > 0) are pre-drafted, and `saguaro_scale` (see the module doc).
     run: calls each program (see `Runner`).
   Returns:
     DecodeResult of one row, its `stats.hit_rb` [R, 1] True where a round's drafts were
@@ -231,6 +274,7 @@ def decode(target_params, draft_params, prompt_1p, length_1, key, *, spec: loop.
     raise ValueError(f"ssd.decode runs method 'ssd', got {vp.method!r}")
   if prompt_1p.shape[0] != 1:
     raise ValueError(f"ssd.decode decodes one prompt at a time, got {prompt_1p.shape[0]}")
+  check_budget(vp, spec.num_draft)
   target_device = next(iter(jax.tree.leaves(target_params)[0].devices()))
   draft_device = draft_device or target_device
   on_draft = lambda x: jax.device_put(x, draft_device)
@@ -262,15 +306,16 @@ def decode(target_params, draft_params, prompt_1p, length_1, key, *, spec: loop.
     state, outcome = run("verify", _verify,
                          (target_params, state, *on_target((drafts, logits, verify_key))),
                          dict(spec=spec, target_config=target_config))
-    guesses = run("guess", _guess, (drafts, logits), dict(fanout=vp.fanout))
+    outcomes = run("guess", _guess, (drafts, logits),
+                   dict(fanout=vp.fanout, budget=vp.guess_budget, temperature=vp.temperature))
     speculation = run("speculate", _speculate,
-                      (draft_params_d, draft_cache, drafts, hidden, guesses, *inputs,
+                      (draft_params_d, draft_cache, drafts, hidden, outcomes, *inputs,
                        on_draft(speculate_key)), draft_kwargs)
     num_accepted, token, done = np.asarray(outcome).tolist()  # waits for the target
     if done:
       break
     inputs = row_inputs(state)
-    row = hit_row(np.asarray(guesses)[0], num_accepted, token)
+    row = hit_row(*jax.device_get(outcomes), num_accepted, token)
     if row is not None:
       hits[r + 1] = True
       drafting = run("take", _take, (speculation, on_draft(jnp.int32(row))), {})

@@ -32,9 +32,11 @@ class VerifyParams:
   particles, ess_threshold: SMC speculative decoding ('smc', see smc.py): drafts per
     prompt, and the effective sample size, as a fraction of `particles`, below which a
     prompt's particles are resampled (0 never resamples, 1 after every round).
-  fanout, saguaro_scale: speculative speculative decoding ('ssd', see ssd.py): token
-    guesses per accepted length that the draft pre-drafts the next round after, and C in
-    (0, 1] scaling the draft's top-`fanout` probabilities (Saguaro sampling; 1 = off).
+  fanout, guess_budget, saguaro_scale: speculative speculative decoding ('ssd', see
+    ssd.py): token guesses per accepted length that the draft pre-drafts the next round
+    after; if > 0, how many of those (K + 1) x fanout outcomes it pre-drafts in all (the
+    likeliest by its own law); and C in (0, 1] scaling the draft's top-`fanout`
+    probabilities (Saguaro sampling; 1 = off).
   """
   method: str = "sd"
   temperature: float = 1.0
@@ -50,6 +52,7 @@ class VerifyParams:
   particles: int = 4
   ess_threshold: float = 0.5
   fanout: int = 2
+  guess_budget: int = 0
   saguaro_scale: float = 1.0
 
 

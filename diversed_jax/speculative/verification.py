@@ -64,6 +64,7 @@ def validate_params(params: VerifyParams, prefix: str = "VerifyParams.") -> None
       ("particles", params.particles >= 1, ">= 1"),
       ("ess_threshold", 0 <= params.ess_threshold <= 1, "in [0, 1]"),
       ("fanout", params.fanout >= 1, ">= 1"),
+      ("guess_budget", params.guess_budget >= 0, ">= 0"),
       ("saguaro_scale", 0 < params.saguaro_scale <= 1, "in (0, 1]"),
       # Importance weights p/q of one-hot laws are 0 or undefined: nothing to weigh.
       ("temperature", params.method != "smc" or params.temperature > 0,
