@@ -16,8 +16,6 @@ import pytest  # noqa: E402
 from diversed_jax.speculative.programs import mapping_count, mapping_limit  # noqa: E402
 from tests import xla_flags  # noqa: E402
 
-xla_flags.for_subprocesses()
-
 
 # XLA:CPU maps each compiled kernel's code and data into the process, and jit's caches keep
 # every program alive. A pytest-xdist worker runs half the suite in one process: thousands
@@ -28,6 +26,13 @@ xla_flags.for_subprocesses()
 # hold do not make every later test drop the caches again.
 _GROWTH_ALLOWED = mapping_limit() // 4
 _drop_above = [mapping_count() + _GROWTH_ALLOWED]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fast_compiles_in_subprocesses():
+  # A fixture, not module code: pytest-xdist's controller imports this file too, and its
+  # workers, started after, would inherit the flag (it never runs fixtures).
+  xla_flags.for_subprocesses()
 
 
 @pytest.fixture(autouse=True)
