@@ -3,7 +3,7 @@ acceptance, and the speed a second device for the draft would give.
 
   python benchmarks/ssd_speed.py [--target=smollm2-135m-instruct] [--draft=...]
       [--num_prompts=8] [--max_new_tokens=64] [--num_draft=4] [--fanout=2]
-      [--guess_budgets=0,4] [--saguaro_scales=1,0.5] [--temperatures=0,1]
+      [--guess_budgets=0,3] [--saguaro_scales=1,0.5] [--temperatures=0,1]
 
 Per temperature, GSM8K-test prompts are decoded one at a time by autoregressive decoding
 and exact speculative decoding ('ar', 'sd': the compiled loop, a one-row queue) and by
@@ -49,7 +49,7 @@ _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 8, "GSM8K-test prompts.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens per prompt at most.")
 _NUM_DRAFT = flags.DEFINE_integer("num_draft", 4, "K.")
 _FANOUT = flags.DEFINE_integer("fanout", 2, "Guesses per accepted length (F).")
-_BUDGETS = flags.DEFINE_list("guess_budgets", ["0", "4"],
+_BUDGETS = flags.DEFINE_list("guess_budgets", ["0", "3"],
                              "Guess budgets B (0: all (K + 1) F guesses).")
 _SCALES = flags.DEFINE_list("saguaro_scales", ["1", "0.5"], "Saguaro scales C.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures.")
