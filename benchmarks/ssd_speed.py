@@ -38,6 +38,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_setup  # noqa: E402
 
+from diversed_jax.evaluation import methods  # noqa: E402
 from diversed_jax.models.kv_cache import bucket_length  # noqa: E402
 from diversed_jax.speculative import decoder as decoder_lib  # noqa: E402
 from diversed_jax.speculative import loop, metrics, ssd  # noqa: E402
@@ -118,7 +119,7 @@ def main(argv):
                     "draft_device": str(decoder.draft_device)}))
   for temperature in map(float, _TEMPERATURES.value):
     settings = [(m, VerifyParams(method=m, temperature=temperature)) for m in ("ar", "sd")]
-    settings += [(f"ssd(f={fanout}" + (f",b={b}" if int(b) else "") + f",c={c})",
+    settings += [(methods.ssd_name(fanout, int(b), float(c)),
                   VerifyParams(method="ssd", temperature=temperature, fanout=fanout,
                                guess_budget=int(b), saguaro_scale=float(c)))
                  for b in _BUDGETS.value for c in _SCALES.value]

@@ -59,6 +59,11 @@ def _fmt(x: float) -> str:
   return f"{x:g}"
 
 
+def ssd_name(fanout: int, budget: int, scale: float) -> str:
+  """An 'ssd' setting's name: ssd(f=F,c=C), with b=B between them when budgeted."""
+  return f"ssd(f={fanout}" + (f",b={budget}" if budget else "") + f",c={_fmt(scale)})"
+
+
 def expand(config) -> list[MethodSetting]:
   """Settings for config.methods.run, with config.decode's temperature and top_p."""
   m, d = config.methods, config.decode
@@ -114,8 +119,7 @@ def expand(config) -> list[MethodSetting]:
               for n in m.smc_particles]
     elif family == "ssd":
       fanout, budget = int(m.ssd_fanout), int(m.ssd_guess_budget)
-      shown = f"f={fanout}" + (f",b={budget}" if budget else "")
-      out += [make(f"ssd({shown},c={_fmt(c)})", family,
+      out += [make(ssd_name(fanout, budget, float(c)), family,
                    dict(method="ssd", fanout=fanout, guess_budget=budget,
                         saguaro_scale=float(c)),
                    [("fanout", fanout)] + ([("guess_budget", budget)] if budget else [])
