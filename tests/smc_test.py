@@ -57,6 +57,35 @@ def test_systematic_resampling_draws_each_particle_about_n_w_times():
   np.testing.assert_allclose(counts.mean(0), expected, atol=0.05)  # unbiased
 
 
+def _np_scaled(z, temperature, top_p):
+  """softmax(z / T), then the smallest top set whose mass reaches top_p, renormalised."""
+  probs = np.exp(z / temperature - np.max(z / temperature, -1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  ranked = -np.sort(-probs, axis=-1)
+  kept = (np.cumsum(ranked, -1) - ranked) < top_p
+  threshold = np.take_along_axis(ranked, kept.sum(-1, keepdims=True) - 1, -1)
+  probs = np.where(probs >= threshold, probs, 0.0)
+  return probs / probs.sum(-1, keepdims=True)
+
+
+def test_log_ratio_reads_the_tempered_nucleus_laws():
+  """T = 0.7, top_p = 0.8: log p(d) - log q(d) of the scaled, truncated laws; a draft
+  outside the target's nucleus (p = 0) weighs log 1e-30 - log q(d)."""
+  rng = np.random.default_rng(4)
+  zq, zp = rng.normal(size=(2, 2, 3, VOCAB)) * 1.5
+  verify = VerifyParams(method="smc", temperature=0.7, top_p=0.8)
+  q, p = _np_scaled(zq, 0.7, 0.8), _np_scaled(zp, 0.7, 0.8)
+  drafts_bk = np.argmax(q, axis=-1)  # in q's nucleus, as a drafted token is
+  drafts_bk[0, 1] = np.flatnonzero((q[0, 1] > 0) & (p[0, 1] == 0))[0]
+  pick = lambda law: np.take_along_axis(law, drafts_bk[..., None], -1)[..., 0]
+  want = np.log(np.maximum(pick(p), 1e-30)) - np.log(pick(q))
+  got = smc.log_ratio(jnp.asarray(zq, jnp.float32), jnp.asarray(zp, jnp.float32),
+                      jnp.asarray(drafts_bk), verify)
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+  plain = np.log(pick(_np_scaled(zp, 1.0, 1.0))) - np.log(pick(_np_scaled(zq, 1.0, 1.0)))
+  assert np.abs(plain - want).max() > 0.1  # temperature and top-p matter here
+
+
 def test_one_round_law_approaches_the_target_as_particles_grow(models):
   """K = 1, two tokens: x1 drafted and weighed by p/q, x2 the target's bonus token.
   One particle outputs q(x1) p(x2|x1); 32 particles, the target's p(x1) p(x2|x1).
@@ -69,7 +98,10 @@ def test_one_round_law_approaches_the_target_as_particles_grow(models):
   target_law, draft_then_target = p1[:, None] * p2, q1[:, None] * p2
   assert 0.5 * np.abs(target_law - draft_then_target).sum() > 0.5  # the test can fail
   one = _pair_counts(np.asarray(_decode(models, 3000, 1, 2).tokens_qn))
-  assert _tv(one, draft_then_target) < 0.05
+  # Exact samples of this joint lie 0.045 away on average at N = 3,000 (a numpy multinomial
+  # simulation, 200,000 draws: 95th percentile 0.055, 99.9th 0.064), so 0.065; the target's
+  # joint lies 0.63 away.
+  assert _tv(one, draft_then_target) < 0.065, _tv(one, draft_then_target)
   many = _pair_counts(np.asarray(_decode(models, 3000, 32, 2).tokens_qn))
   assert _tv(many, target_law) < 0.07, _tv(many, target_law)
 

@@ -134,6 +134,45 @@ def test_saguaro_sampling_scales_the_top_probabilities_by_c():
     np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
+def test_verification_accepts_by_the_saguaro_law(models):
+  """Saguaro sampling draws the drafts from q', so the exact rule must accept d_i with
+  min(1, p_i(d_i) / q'_i(d_i)), q' re-derived here from the draft's own logits. Verified
+  against q instead, the output joint of the sampled-law test below lies only 0.08 from
+  the target: too close for its tolerance, hence this direct check."""
+  target_config, target_params, draft, draft_params = models
+  k, fanout, scale, temperature = 3, 3, 0.25, 0.7
+  spec = loop.LoopSpec(verify=VerifyParams(method="ssd", temperature=temperature,
+                                           fanout=fanout, saguaro_scale=scale),
+                       num_draft=k, max_new_tokens=8)
+  prompt = jnp.asarray([PROMPT + [0] * 4], jnp.int32)
+  state, draft_cache = ssd._start(target_params, draft_params, prompt, jnp.asarray([4]),
+                                  spec=spec, target_config=target_config, draft=draft,
+                                  cache_len=32, prefill_chunk=loop.PREFILL_CHUNK)
+  inputs = (state.target_cache.lengths_b, state.last_two_b2, state.features_b2d)
+  drafts_1k, logits, _, _ = ssd._draft(draft_params, draft_cache, *inputs,
+                                       jax.random.PRNGKey(1), spec=spec, draft=draft)
+  state, _ = ssd._verify(target_params, state, drafts_1k, logits, jax.random.PRNGKey(2),
+                         spec=spec, target_config=target_config)
+  got = np.asarray(state.stats.accept_prob_rbk)[0, 0]
+
+  softmax = lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(
+      z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+  d = np.asarray(drafts_1k)[0]
+  q = softmax(np.asarray(logits[0, :k], np.float64) / temperature)
+  q_saguaro = q.copy()
+  for i in range(k):  # the top-F probabilities scaled by C, renormalised
+    q_saguaro[i, np.argsort(-q[i])[:fanout]] *= scale
+  q_saguaro /= q_saguaro.sum(-1, keepdims=True)
+  target = transformer.forward_jit(target_params, target_config,
+                                   jnp.asarray([PROMPT + d.tolist()]))[0][0]
+  p = softmax(np.asarray(target[len(PROMPT) - 1:len(PROMPT) - 1 + k], np.float64)
+              / temperature)
+  drafted = lambda law: law[np.arange(k), d]
+  want = np.minimum(1.0, drafted(p) / drafted(q_saguaro))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  assert np.abs(np.minimum(1.0, drafted(p) / drafted(q)) - want).max() > 0.01  # can fail
+
+
 def test_greedy_ssd_reproduces_plain_greedy_decoding(models):
   decoder = _decoder(models)
   prompts = [PROMPT, [5, 6, 7], [9, 1, 2, 8, 3]]

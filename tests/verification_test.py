@@ -410,6 +410,36 @@ def test_mentored_scale_matches_bisection(seed):
       assert tv(pi, p[r]) <= min(eps, tv_pq) + 1e-5
 
 
+@pytest.mark.parametrize("kind", ["kl", "chi2"])
+@pytest.mark.parametrize("eps", [0.05, 1e6])
+def test_mentored_search_stays_finite_at_extreme_ratios(kind, eps):
+  """p(x) = 1e-35, q/p = 5e34 (a GPU's subnormal p would overflow q/p to inf), beside a
+  p = 0 < q token: the search clamps c at 1e30, never accepts the p = 0 token, and keeps
+  its budget. c = inf itself must not make the law NaN (c p on p = 0)."""
+  q = np.asarray([0.5, 0.2, 0.1, 0.1, 0.1])
+  p = np.asarray([1e-35, 0.0, 0.3, 0.3, 0.4])
+  pi = verification.mentored_law(jnp.asarray(q, jnp.float32), jnp.asarray(p, jnp.float32),
+                                 jnp.asarray(jnp.inf))
+  accepted = np.where(p > 0, q, 0.0)  # min(q, inf p), and 0 where p = 0
+  deficit = np.maximum(p - q, 0.0)
+  np.testing.assert_allclose(pi, accepted + (1 - accepted.sum()) * deficit / deficit.sum(),
+                             atol=1e-6)
+  c, a = verification.mentored_f_accept(q, p, eps, kind)
+  c, a = float(c), np.asarray(a, np.float64)
+  assert np.isfinite(c) and 1.0 <= c <= 1e30 * (1 + 1e-6) and np.all(np.isfinite(a))
+  assert np.all((0 <= a) & (a <= 1)) and a[1] == 0.0
+  assert np_divergence(np_mentored_law(q, p, c), p, kind) <= eps * (1 + 1e-4)
+  assert np.sum(q * a) >= 1 - tv(p, q) - 1e-6  # never below exact SD's acceptance
+
+
+def test_mentored_chi2_budget_holds_for_a_tiny_p():
+  """(pi - p)^2 / p with p(x) ~ 1e-38: the square underflows float32 unless divided first."""
+  q = np.asarray([0.5, 0.2, 0.1, 0.1, 0.1])
+  p = np.asarray([2e-38, 0.0, 0.3, 0.3, 0.4])
+  c, _ = verification.mentored_f_accept(q, p, 0.05, "chi2")
+  assert np_divergence(np_mentored_law(q, p, float(c)), p, "chi2") <= 0.05 * (1 + 1e-4)
+
+
 # --------------------------------------------------------------- contract and plumbing
 
 

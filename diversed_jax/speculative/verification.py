@@ -347,16 +347,21 @@ def mentored_accept(q_v: jax.Array, p_v: jax.Array, epsilon: float):
   return c.reshape(lead), a.reshape(q_v.shape)
 
 
-# Bisection steps on log c: the bracket [0, log c_max] is at most ~70 wide in float32
-# (ratios up to 1e30), so 30 halvings leave c within a relative 1e-7.
+# Bisection steps on log c: the bracket [0, log c_max] is at most ~70 wide (ratios are
+# clamped at _MENTORED_MAX_RATIO), so 30 halvings leave c within a relative 1e-7.
 _MENTORED_BISECTIONS = 30
+# q/p overflows float32 where p is subnormal (a GPU keeps those; XLA:CPU flushes them to 0),
+# and c = inf would make the bisection NaN. Clamped, a token with p < 1e-30 q is accepted at
+# rate 1e30 p/q at most: accepting it whole would cost a KL term of over 69 q(x) anyway.
+_MENTORED_MAX_RATIO = 1e30
 
 
 def mentored_law(q_v: jax.Array, p_v: jax.Array, c: jax.Array) -> jax.Array:
   """pi_c = min(q, c p) + (1 - sum min(q, c p)) norm((p - q)+): the law that acceptance
   a = min(1, c p/q) with residual norm((p-q)+) emits. q_v, p_v [..., V], c [...]; c = 1
   gives p. As c grows each pi_c(x) moves monotonically from p(x) towards q(x)."""
-  accepted = jnp.minimum(q_v, c[..., None] * p_v)
+  # Masked, not c * p: c = inf times p = 0 would be NaN.
+  accepted = jnp.minimum(q_v, jnp.where(p_v > 0, c[..., None] * p_v, 0.0))
   deficit = jnp.maximum(p_v - q_v, 0.0)
   total = jnp.sum(deficit, axis=-1, keepdims=True)
   rest = 1.0 - jnp.sum(accepted, axis=-1, keepdims=True)
@@ -374,7 +379,9 @@ def divergence(pi_v: jax.Array, p_v: jax.Array, kind: str) -> jax.Array:
     log_ratio = jnp.log(jnp.where(pi_v > 0, pi_v, 1.0) / safe_p)
     return jnp.sum(jnp.where(on & (pi_v > 0), pi_v * log_ratio, 0.0), axis=-1)
   if kind == "chi2":
-    return jnp.sum(jnp.where(on, (pi_v - p_v) ** 2 / safe_p, 0.0), axis=-1)
+    # (d / p) d, not d^2 / p: the square of a tiny difference underflows float32.
+    diff = pi_v - p_v
+    return jnp.sum(jnp.where(on, diff * (diff / safe_p), 0.0), axis=-1)
   raise ValueError(f"divergence={kind!r} is not one of {DIVERGENCES}")
 
 
@@ -391,7 +398,7 @@ def mentored_f_accept(q_v: jax.Array, p_v: jax.Array, epsilon: float, kind: str)
   """
   q_v, p_v = jnp.asarray(q_v, jnp.float32), jnp.asarray(p_v, jnp.float32)
   on = p_v > 0
-  ratio = jnp.where(on, q_v / jnp.where(on, p_v, 1.0), 0.0)
+  ratio = jnp.where(on, jnp.minimum(q_v / jnp.where(on, p_v, 1.0), _MENTORED_MAX_RATIO), 0.0)
   log_c_max = jnp.log(jnp.maximum(jnp.max(ratio, axis=-1), 1.0))
   fits = lambda log_c: divergence(mentored_law(q_v, p_v, jnp.exp(log_c)), p_v,
                                   kind) <= epsilon
