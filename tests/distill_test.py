@@ -420,6 +420,50 @@ def test_argmax_weight_adds_the_greedy_cross_entropy(base_draft):
     train.validate(bad)
 
 
+def test_held_out_acceptance_scores_generated_positions_only(base_draft):
+  """prompt_weight = 1 weighs prompt positions like generated ones in the loss; accept1 and
+  top11, which pick the exported best, still score the generated positions only."""
+  base, _ = base_draft
+  batch = batches.window_batch(base.pool.sequences, np.random.default_rng(0), 16,
+                               base.config.train.window, base.kept_index, 1.0)
+  generated = batch["generated_bw"]
+  assert ((batch["weight_bw"] == 1.0) & (generated == 0.0)).any()  # prompt positions
+  _, metrics = train._metrics_and_loss(base.state["params"], base.frozen, batch,
+                                       draft=base.draft, hp=base.hp)
+  params = {"train": base.state["params"], "frozen": base.frozen}
+  logits, _ = base.draft.train_forward(params, batch["tokens_bw"], batch["features_bwd"],
+                                       unroll=base.hp[2])
+  terms = distill_losses.distill_terms(logits, batch["topk_kept_bwk"], batch["topk_logp_bwk"])
+  for name, term in (("accept1", "accept"), ("top11", "top1")):
+    want = distill_losses.masked_mean(terms[term][0], jnp.asarray(generated))
+    np.testing.assert_allclose(metrics[name], want, rtol=1e-5)
+
+
+def test_a_torn_or_half_swapped_best_draft_does_not_stop_a_resume(target, shard_dir,
+                                                                   tmp_path):
+  c = _config(shard_dir, tmp_path, "feature", steps=2)
+  c.train.eval_every = 2
+  train.Trainer(c, target, log=_quiet).train()  # exports best at step 2
+  best = tmp_path / "best"
+  assert not os.path.exists(f"{best}.new") and not os.path.exists(f"{best}.old")
+  text = (best / "draft.json").read_text()
+  (best / "draft.json").write_text(text[:len(text) // 2])  # a kill mid-write
+  said = []
+  c.train.steps = 4
+  resumed = train.Trainer(c, target, log=said.append)
+  assert resumed.best == -1.0 and any("unreadable best draft" in line for line in said)
+  resumed.train()  # the step-4 evaluation replaces the torn best
+  assert artifacts.read_draft(str(best))[3]["step"] == 4
+  # A kill between save_draft_swapped's two renames: readers take the old draft, and the
+  # next run puts it back whole.
+  os.rename(best, f"{best}.old")
+  os.makedirs(f"{best}.new")
+  assert artifacts.swapped_folder(str(best)) == f"{best}.old"
+  assert train.Trainer(c, target, log=_quiet).best == resumed.best
+  assert artifacts.read_draft(str(best))[3]["step"] == 4
+  assert not os.path.exists(f"{best}.new") and not os.path.exists(f"{best}.old")
+
+
 def test_select_by_picks_the_held_out_metric_that_scores(target, shard_dir, tmp_path,
                                                           base_draft):
   """train.select_by: the held-out score (which picks the exported best) is the mean of the
@@ -575,6 +619,10 @@ def test_windows_and_vocab():
   np.testing.assert_allclose(batch["features_bwd"][0, 1:10], seq.hidden[:9].astype(np.float32))
   assert (batch["features_bwd"][0, 0] == 0).all()
   assert batch["weight_bw"][0].tolist() == [0.25] * 3 + [1.0] * 6 + [0.0] * 7
+  assert batch["generated_bw"][0].tolist() == [0.0] * 3 + [1.0] * 6 + [0.0] * 7
+  batch = batches.window_batch([seq], rng, 2, 16, batches.kept_index(ids, 12), 1.0)
+  assert batch["weight_bw"][0].tolist() == [1.0] * 9 + [0.0] * 7
+  assert batch["generated_bw"][0].tolist() == [0.0] * 3 + [1.0] * 6 + [0.0] * 7
 
 
 class _WordTokenizer:

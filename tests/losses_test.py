@@ -298,3 +298,23 @@ def test_train_step_decreases_loss(kind):
   final = float(losses.diversed_loss(params, head.apply, batch, 0.1, 0.2)[0])
   assert final < losses_seen[1] < losses_seen[0]
   assert step._cache_size() == 1  # one compilation across steps
+
+
+def test_ppo_update_logs_the_ratio_of_its_last_epoch():
+  """The first epoch's head is the one that computed old_logp_bt (ratio 1 everywhere): the
+  ratio diagnostics come from the last epoch, the loss still from the first."""
+  from diversed_jax.training.trainer import ppo_update
+  head = head_lib.EnsembleHead("linear")
+  params = head_lib.init_head(head, jax.random.key(0), DQ, DP)
+  batch = make_batch(jax.random.key(10))
+  w_bt = head.apply(params, batch["h_q_btd"], batch["h_p_btd"])
+  batch["old_logp_bt"] = losses.log_nu(w_bt, batch["p_tok_bt"], batch["q_tok_bt"])
+  opt = optim.make_optimizer(0.5, warmup_steps=0, total_steps=100, grad_clip=0.0)
+  step = jax.jit(optim.make_train_step(head.apply, opt, lam=0.1, clip_eps=0.05))
+  _, _, first = step(params, opt.init(params), batch)
+  assert float(first["clip_frac"]) == 0.0 and abs(float(first["approx_kl"])) < 1e-6
+  _, _, m = ppo_update(step, params, opt.init(params), batch, epochs=3)
+  assert float(m["last_epoch_clip_frac"]) > 0 and float(m["last_epoch_approx_kl"]) > 0
+  assert float(m["last_epoch_ratio_max"]) > 1.05
+  assert not {"clip_frac", "approx_kl", "ratio_mean"} & set(m)
+  np.testing.assert_allclose(m["loss"], first["loss"])

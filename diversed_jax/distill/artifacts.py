@@ -45,6 +45,12 @@ def _unflatten(flat):
   return traverse_util.unflatten_dict(dict(flat), sep="/")
 
 
+def _write_text(path: str, text: str) -> None:
+  """Writes `path` whole or not at all (a kill mid-write leaves the old file)."""
+  with open(path + ".tmp", "w") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)
+
 
 def save_draft(folder: str, draft: DistilledDraft, train_params, vocab_ids, target_name: str,
                extra: dict | None = None, dtype=np.float16) -> None:
@@ -59,10 +65,43 @@ def save_draft(folder: str, draft: DistilledDraft, train_params, vocab_ids, targ
   meta = {"kind": draft.kind, "config": dataclasses.asdict(draft.config),
           "target_hidden": draft.target_hidden, "vocab_size": draft.vocab_size,
           "target": target_name, **(extra or {})}
-  with open(os.path.join(folder, "draft.json"), "w") as f:
-    json.dump(meta, f, indent=1)
-  with open(os.path.join(folder, "draft_kind.txt"), "w") as f:
-    f.write(KIND_PREFIX + draft.kind + "\n")
+  _write_text(os.path.join(folder, "draft.json"), json.dumps(meta, indent=1))
+  # Last: the file that makes a folder a draft folder (check_export_dir, shipped_draft).
+  _write_text(os.path.join(folder, "draft_kind.txt"), KIND_PREFIX + draft.kind + "\n")
+
+
+def save_draft_swapped(folder: str, *args, **kwargs) -> None:
+  """`save_draft` into a sibling folder, then swapped in for `folder` by two renames: a kill
+  at any point leaves `folder` whole, the old draft or the new one, never a mix (after
+  `recover_swapped`, which a kill between the renames needs). Other files in `folder` go."""
+  new, old = folder + ".new", folder + ".old"
+  shutil.rmtree(new, ignore_errors=True)
+  save_draft(new, *args, **kwargs)
+  if os.path.isdir(folder):
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(folder, old)
+  os.rename(new, folder)
+  shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_swapped(folder: str) -> None:
+  """Undoes what a kill inside `save_draft_swapped` left: the old folder is put back where a
+  kill came between the two renames, and the half-done sibling folders go. Only the process
+  that writes `folder` may call this."""
+  old = folder + ".old"
+  if not os.path.isdir(folder) and os.path.isdir(old):
+    os.rename(old, folder)
+  for leftover in (folder + ".new", old):
+    shutil.rmtree(leftover, ignore_errors=True)
+
+
+def swapped_folder(folder: str) -> str:
+  """`folder`, or the old draft that `save_draft_swapped` had moved aside when a kill came
+  between its two renames (for readers, which must not move folders under a writer)."""
+  old = folder + ".old"
+  if not os.path.isdir(folder) and os.path.isfile(os.path.join(old, "draft_kind.txt")):
+    return old
+  return folder
 
 
 def check_export_dir(dest: str) -> None:

@@ -148,7 +148,9 @@ def window_batch(sequences: list[Sequence], rng: np.random.Generator, batch: int
 
   Returns numpy arrays: tokens_bw, features_bwd (f_{t-1}, zeros before the sequence start),
   target_features_bwd (f_t), topk_kept_bwk (kept-vocabulary index or -1), topk_logp_bwk,
-  weight_bw (0 where there is no next token, prompt_weight inside the prompt, else 1).
+  weight_bw (0 where there is no next token, prompt_weight inside the prompt, else 1),
+  generated_bw (1 where the next token is a generated one, else 0: the positions the draft
+  proposes at, whatever prompt_weight).
   """
   d = sequences[0].hidden.shape[-1]
   k = sequences[0].topk_ids.shape[-1]
@@ -159,6 +161,7 @@ def window_batch(sequences: list[Sequence], rng: np.random.Generator, batch: int
       "topk_kept_bwk": np.full((batch, window, k), -1, np.int32),
       "topk_logp_bwk": np.zeros((batch, window, k), np.float32),
       "weight_bw": np.zeros((batch, window), np.float32),
+      "generated_bw": np.zeros((batch, window), np.float32),
   }
   lengths = np.asarray([len(s.tokens) for s in sequences], np.float64)
   picks = rng.choice(len(sequences), size=batch, p=lengths / lengths.sum())
@@ -176,9 +179,11 @@ def window_batch(sequences: list[Sequence], rng: np.random.Generator, batch: int
     out["features_bwd"][row, m - len(prev):m] = prev
     out["topk_kept_bwk"][row, :m] = kept_index_v[s.topk_ids[start:stop].astype(np.int64)]
     out["topk_logp_bwk"][row, :m] = s.topk_logp[start:stop]
+    next_position = np.arange(start, stop) + 1
     w = position_weights(s, prompt_weight)[start:stop]
-    w[np.arange(start, stop) + 1 >= n] = 0.0
+    w[next_position >= n] = 0.0
     out["weight_bw"][row, :m] = w
+    out["generated_bw"][row, :m] = (next_position >= s.prompt_length) & (next_position < n)
   return out
 
 

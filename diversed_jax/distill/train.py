@@ -136,10 +136,11 @@ def _metrics_and_loss(train_params, frozen, batch, *, draft, hp):
     feat = losses.masked_mean(feat, mask_jbw)
     loss = loss + feature_weight * feat
     metrics["feature"] = feat
-  gen_mask = (batch["weight_bw"] == 1.0).astype(jnp.float32)[None]
+  # Generated positions only, whatever prompt_weight: the draft proposes after the prompt.
+  gen_mask = batch["generated_bw"].astype(jnp.float32)
   for name in ("accept", "top1"):
     for j in range(logits.shape[0]):
-      metrics[f"{name}{j + 1}"] = losses.masked_mean(terms[name][j], gen_mask[0])
+      metrics[f"{name}{j + 1}"] = losses.masked_mean(terms[name][j], gen_mask)
   metrics["loss"] = loss
   return loss, metrics
 
@@ -330,14 +331,24 @@ class Trainer:
     num_shards = int(self.state["num_shards"])
     first = self._recorded_shards(num_shards) if latest is not None else ()
     self._use_shards(num_shards, first)
+    artifacts.recover_swapped(self._best_dir)
     self.best = self._read_best()
 
+  @property
+  def _best_dir(self) -> str:
+    return os.path.join(self.workdir, "best")
+
   def _read_best(self) -> float:
-    path = os.path.join(self.workdir, "best", "draft.json")
+    path = os.path.join(self._best_dir, "draft.json")
     if not os.path.exists(path):
       return -1.0
-    with open(path) as f:
-      meta = json.load(f)
+    try:
+      with open(path) as f:
+        meta = json.load(f)
+    except (OSError, ValueError) as e:  # e.g. torn by a kill before exports were atomic
+      self.log(f"warning: ignoring the unreadable best draft {path} ({e}): the next "
+               "evaluation replaces it")
+      return -1.0
     if meta.get("recipe", {}).get("select_by", "accept1") != self.config.train.select_by:
       return -1.0  # chosen by another metric: the next evaluation replaces it
     return float(meta.get("eval", {}).get("score", -1.0))
@@ -404,10 +415,12 @@ class Trainer:
     self.log(f"eval step {self.step}: {json.dumps(results)}")
     if results and results["score"] > self.best:
       self.best = results["score"]
-      self.export(os.path.join(self.workdir, "best"), {"step": self.step, **results})
+      self.export(self._best_dir, {"step": self.step, **results})
     return results
 
   def export(self, folder: str, eval_results: dict | None = None) -> None:
+    """Writes the draft as the folder `folder`, swapped in whole (a kill never leaves a
+    mix of two drafts; other files there go)."""
     tc, dc = self.config.train, self.config.data
     # Where the draft came from, so a shipped folder says how to reproduce it.
     recipe = {"init_from": tc.init_from, "grow_layers": tc.grow_layers,
@@ -415,9 +428,9 @@ class Trainer:
               "argmax_weight": tc.argmax_weight, "select_by": tc.select_by,
               "lr": tc.lr, "decay_steps": tc.decay_steps, "window": tc.window,
               "unroll": tc.unroll, "data_dirs": [dc.dir, *dc.extra_train_dirs]}
-    artifacts.save_draft(folder, self.draft, self.state["params"], self.vocab_ids,
-                         self.target.name, extra={"eval": eval_results or {},
-                                                  "step": self.step, "recipe": recipe})
+    artifacts.save_draft_swapped(folder, self.draft, self.state["params"], self.vocab_ids,
+                                 self.target.name, extra={"eval": eval_results or {},
+                                                          "step": self.step, "recipe": recipe})
     self.log(f"exported draft (step {self.step}) to {folder}")
 
 
@@ -471,7 +484,7 @@ def run(config: ml_collections.ConfigDict) -> None:
     log(f"{n} shards in {config.data.dir}")
     return
   if config.mode == "export":
-    src = os.path.join(config.workdir, "best")
+    src = artifacts.swapped_folder(os.path.join(config.workdir, "best"))
     artifacts.replace_draft_folder(src, config.export_dir, log=log)
     log(f"copied {src} to {config.export_dir}")
     return
