@@ -50,7 +50,8 @@ def base() -> ml_collections.ConfigDict:
   c.task.offset = 0  # first example of the evaluated slice
   c.task.limit = 8  # examples in the slice (0 = all from offset)
   c.task.num_shots = 0  # few-shot examples from the train split in each prompt
-  c.task.max_prompt_tokens = 1024  # longer prompts are cut from the left (keeps the question)
+  c.task.max_prompt_tokens = 1024  # longer prompts are shortened (article, then shots) inside
+  # their template; one that cannot fit even so is cut from the left, with a warning
   c.task.fields = ml_collections.ConfigDict()  # field names in the data file ('' = task default)
   c.task.fields.id = ""  # example id
   c.task.fields.source_text = ""  # question / article / problem text

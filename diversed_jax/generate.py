@@ -12,16 +12,19 @@ without --head uses the pair's shipped head for --task (default gsm8k), else a f
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app, flags, logging
 
 from diversed_jax import cli
 from diversed_jax import tokenizer as tokenizer_lib
+from diversed_jax.evaluation import validate
 from diversed_jax.models import loading
 from diversed_jax.speculative import build, metrics, ssd, verification
 from diversed_jax.speculative.decoder import MATMUL_PRECISIONS
 from diversed_jax.speculative.types import CASCADE_RULES, DIVERGENCES, METHODS, VerifyParams
+from diversed_jax.tasks.registry import get_task
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct",
                               "Registry name, model folder, GGUF file or hub id.")
@@ -89,10 +92,28 @@ def check_flags() -> VerifyParams:
     verification.validate_params(verify, prefix="--")  # its fields are this program's flags
     if verify.method == "ssd":
       ssd.check_budget(verify, _NUM_DRAFT.value, prefix="--")
+    _check_names(speculative)
   if not speculative and _DRAFT.value is not None:
     logging.warning("--method=ar decodes with the target alone; --draft=%s is not used.",
                     _DRAFT.value)
   return verify
+
+
+def _check_names(speculative: bool) -> None:
+  """The model, draft, head and task names, as the main job's config checks them: a typo
+  would otherwise fail after the target loads, or (--task) silently give w = 0.5."""
+  validate.check_model("--target", _TARGET.value)
+  if speculative and _DRAFT.value is not None:
+    validate.check_model("--draft", _DRAFT.value, allow_self=True)
+  head = _HEAD.value
+  if head is not None and not os.path.isfile(os.path.join(os.path.expanduser(head),
+                                                          "head.json")):
+    raise ValueError(f"--head={head!r}: not a head folder (no head.json)")
+  if _TASK.value is not None:
+    try:
+      get_task(_TASK.value)
+    except ValueError as err:
+      raise ValueError(f"--task={_TASK.value!r}: {err}") from None
 
 
 def main(argv):

@@ -254,6 +254,90 @@ def test_shots_never_come_from_the_evaluated_file(tmp_path):
   validate(_load("gsm8k", **{"task.num_shots": 2}))  # from the shipped train split
 
 
+class _CharTokenizer:
+  """Characters as ids, with a visible chat template."""
+  chat_template = "{{ messages }}"
+
+  def encode(self, text, add_special_tokens=True):
+    return [ord(c) for c in text]
+
+  def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+    return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + (
+        "<assistant>" if add_generation_prompt else "")
+
+
+def test_a_local_file_of_any_name_never_gives_its_own_examples_as_shots(tmp_path):
+  # Not .jsonl, yet a file: read as one, and the shots come from the shipped train split,
+  # not from its first records as if it were a hub dataset's train split.
+  path = tmp_path / "gsm8k_test.ndjson"
+  path.write_text("".join(json.dumps({"question": f"Leaked question {i}?",
+                                      "answer": f"#### {i}"}) + "\n" for i in range(3)))
+  config = _load("gsm8k", **{"task.source": str(path), "task.num_shots": 2, "task.limit": 1})
+  validate(config)
+  task, examples = context.load_slice(config.task)
+  prompt = "".join(map(chr, context.encode_prompts(config, task, examples, _CharTokenizer(),
+                                                  log=lambda m: None)[0]))
+  assert prompt.count("Leaked question") == 1  # the example itself, no other
+  shipped = context.prompt_shots(config)
+  assert [s.id for s in shipped] == ["gsm8k/train/0", "gsm8k/train/1"]
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("gsm8k", {"task.split": "train"}),  # the shipped train split, the shots' own
+    ("mbpp", {"task.split": "all"}),  # holds the 'prompt' split the shots come from
+    ("cnndm", {"task.source": "abisee/cnn_dailymail", "task.split": "train"}),
+])
+def test_shots_from_the_evaluated_split_are_refused(name, overrides):
+  config = _load(name, **overrides, **{"task.num_shots": 2})
+  with pytest.raises(ValueError, match=r"task.num_shots=2: .*task.source="):
+    validate(config)
+  with pytest.raises(ValueError, match="task.num_shots=2"):
+    context.prompt_shots(config)
+
+
+def test_too_long_few_shot_prompts_keep_the_chat_template_and_instruction():
+  from diversed_jax import tokenizer as tokenizer_lib
+  from diversed_jax.tasks import prompts
+  tokenizer = tokenizer_lib.load_tokenizer("smollm2-135m-instruct")
+  config = _load("cnndm", **{"task.num_shots": 2, "task.limit": 2})
+  task, examples = context.load_slice(config.task)
+  logged = []
+  ids = context.encode_prompts(config, task, examples, tokenizer, log=logged.append)
+  assert logged and logged[0].startswith("2 of 2 prompts shortened")
+  for prompt in ids:
+    text = tokenizer.decode(prompt)
+    assert len(prompt) <= config.task.max_prompt_tokens
+    assert text.startswith("<|im_start|>system\n") and text.count("Article: ") == 3
+    assert f"<|im_start|>user\n{prompts.SUMMARY_INSTRUCTION['cnndm']}" in text
+    assert text.endswith("Summary:<|im_end|>\n<|im_start|>assistant\n")
+  # Below the template and instruction alone (a smoke test's budget): said, not hidden.
+  config = _load("gsm8k", **{"task.max_prompt_tokens": 40, "task.limit": 1})
+  task, examples = context.load_slice(config.task)
+  logged = []
+  assert len(context.encode_prompts(config, task, examples, tokenizer,
+                                    log=logged.append)[0]) == 40
+  assert len(logged) == 1 and logged[0].startswith("WARNING: task.max_prompt_tokens=40 is")
+
+
+def test_main_job_head_trains_on_the_evaluations_prompts():
+  from diversed_jax.evaluation import runner
+  tokenizer = _CharTokenizer()
+  for chat in (True, False):
+    config = _load("cnndm", **{"task.num_shots": 1, "model.chat": chat, "task.limit": 1,
+                               "train.max_prompt_tokens": 4096})
+    task, examples = context.load_slice(config.task)
+    evaluated = context.encode_prompts(config, task, examples, tokenizer, log=print)[0]
+    assert runner.training_task(config, task, tokenizer).prompt_ids(examples[0]) == evaluated
+
+
+def test_a_nocopy_draft_folder_validates():
+  build._register_shipped_artifacts()
+  folder = build.DEFAULT_DRAFTS["smollm2-135m-instruct"]
+  validate(_load("gsm8k", **{"model.draft": build.NO_COPY + folder}))
+  with pytest.raises(ValueError, match="model.draft='nocopy:/no/draft'"):
+    validate(_load("gsm8k", **{"model.draft": "nocopy:/no/draft"}))
+
+
 def test_mbpp_sanitized_source_loads_through_the_config():
   config = _load("mbpp", **{"task.source": "sanitized", "task.limit": 3})
   validate(config)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -96,6 +97,31 @@ def test_generate_rejects_bad_flags_before_loading_a_model(flags, message):
   assert result.returncode != 0
   assert message in result.stderr
   assert "no model at" not in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--target=bogus-model"], "--target='bogus-model': not a registered model name"),
+    (["--method=sd", "--draft=self:0"], "--draft='self:0': a self-draft is 'self:L'"),
+    (["--method=sd", "--draft=nocopy:/no/draft"], "--draft='nocopy:/no/draft': 'nocopy:'"),
+    (["--method=diversed", "--head=/nonexistent"], "--head='/nonexistent': not a head folder"),
+    (["--method=diversed", "--task=nosuchtask"], "--task='nosuchtask': unknown task"),
+])
+def test_check_flags_refuses_unknown_names_before_loading(flags, message):
+  # In process (check_flags loads nothing): the names a typo would otherwise carry to a
+  # failure after the target loads, or (--task) to a silent w = 0.5.
+  from absl import app
+  from absl import flags as absl_flags
+  from diversed_jax import generate
+  try:
+    absl_flags.FLAGS(["generate", "--prompt=hi", *flags])
+    with pytest.raises(app.UsageError, match=re.escape(message)):
+      generate.check_flags()
+    absl_flags.FLAGS.unparse_flags()  # back to the defaults
+    absl_flags.FLAGS(["generate", "--prompt=hi", "--method=sd", "--draft=self:2",
+                      "--task=cnndm"])
+    assert generate.check_flags().method == "sd"
+  finally:
+    absl_flags.FLAGS.unparse_flags()
 
 
 def test_without_a_task_diversed_takes_the_pairs_gsm8k_head(monkeypatch):

@@ -111,3 +111,51 @@ def test_shipped_heads_match_the_shipped_drafts():
   heads = artifacts.shipped_heads()
   assert {task for (_, _, task) in heads} >= {"gsm8k", "cnndm"}
   assert any(draft.endswith("smollm2-135m-feature") for (_, draft, _) in heads)
+
+
+def test_a_given_head_must_match_the_target_and_draft(tmp_path, caplog):
+  # Heads of different drafts can have the same input width: only head.json tells them
+  # apart, so a head given explicitly is checked against the resolved pair.
+  from diversed_jax.digest import folder_digest
+  from diversed_jax.speculative import build
+  from diversed_jax.training import head_io
+  draft = tmp_path / "draft"
+  draft.mkdir()
+  np.savez(draft / "params.npz", w=np.zeros(3))
+  module = EnsembleHead(init_weight=0.5)
+  params = init_head(module, jax.random.key(0), DQ, DP)
+  folder = head_io.save_head(str(tmp_path / "h"), module, params, DQ, DP, target="t",
+                             draft_spec=str(draft), draft_digest=folder_digest(draft),
+                             task="gsm8k")
+  self4 = head_io.save_head(str(tmp_path / "h4"), module, params, DQ, DP, target="t",
+                            draft_spec="self:4", task="gsm8k")
+  assert build.load_head(folder, "t", str(draft), "gsm8k")[2] == folder
+  assert build.load_head(folder, "t", build.NO_COPY + str(draft), "gsm8k")[2] == folder
+  assert build.load_head(self4, "t", "self:4", "gsm8k")[2] == self4
+  with pytest.raises(ValueError, match=f"head '{self4}' was trained with draft 'self:4'.*"
+                     f"the draft is '{draft}'"):
+    build.load_head(self4, "t", str(draft), "gsm8k")
+  with pytest.raises(ValueError, match="draft 'self:4'.* the draft is 'self:2'"):
+    build.load_head(self4, "t", "self:2", "gsm8k")
+  with pytest.raises(ValueError, match="trained for target 't', not 'u'"):
+    build.load_head(folder, "u", str(draft), "gsm8k")
+  with caplog.at_level("WARNING"):
+    build.load_head(folder, "t", str(draft), "cnndm")  # another task: a warning only
+  assert "trained on task 'gsm8k' and is used on 'cnndm'" in caplog.text
+  np.savez(draft / "params.npz", w=np.ones(3))  # the draft re-exported in place
+  with pytest.raises(ValueError, match="was trained with draft"):
+    build.load_head(folder, "t", str(draft), "gsm8k")
+
+
+def test_shipped_heads_load_for_their_drafts_and_only_for_them():
+  from diversed_jax.speculative import build
+  build._register_shipped_artifacts()
+  target = "smollm2-135m-instruct"
+  feature = build.DEFAULT_DRAFTS[target]
+  shipped = build.shipped_head(target, feature, "gsm8k")
+  assert build.load_head(None, target, feature, "gsm8k")[2] == shipped
+  assert build.load_head(shipped, target, feature, "gsm8k")[2] == shipped  # given explicitly
+  self4 = build.shipped_head(target, "self:4", "gsm8k")
+  assert build.load_head(self4, target, "self:4", "gsm8k")[2] == self4
+  with pytest.raises(ValueError, match="self4_gsm8k' was trained with draft 'self:4'"):
+    build.load_head(self4, target, feature, "gsm8k")

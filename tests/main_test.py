@@ -143,6 +143,31 @@ def test_continuous_batching_gives_the_same_per_example_records(tmp_path, tiny_d
       assert got["theory"] == pytest.approx(static["theory"], rel=1e-5)
 
 
+def test_a_slice_at_an_offset_gives_the_same_records_as_the_whole(tmp_path, tiny_dir,
+                                                                 monkeypatch):
+  """Keys follow an example's position in the split, not in the slice: at temperature 1 the
+  examples 2 and 3 sample the same whether the slice starts at 0 or at 2 (a whole call of
+  batch_size 2 further), and their records carry the same index."""
+  monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
+  records = {}
+  for offset, limit in ((0, 4), (2, 2)):
+    # Whole prompts: the shipped questions are longer than the tiny preset's 96 tokens.
+    config = config_io.load_config(os.path.join(ROOT, "configs", "gsm8k.py:tiny"),
+                                   {"methods.run": "sd", "decode.temperature": 1.0,
+                                    "task.offset": offset, "task.limit": limit,
+                                    "task.max_prompt_tokens": 1024})
+    workdir = tmp_path / str(offset)
+    evaluate.evaluate(config, str(workdir), log=lambda m: None)
+    lines = (workdir / "results.jsonl").read_text().splitlines()
+    records[offset] = {r["example_id"]: r for r in map(json.loads, lines)}
+  assert len(records[0]) == 4 and len(records[2]) == 2
+  for example_id, got in records[2].items():
+    whole = records[0][example_id]
+    for field in ("index", "completion", "num_tokens", "rounds", "accepted"):
+      assert got[field] == whole[field], (example_id, field)
+  assert sorted(r["index"] for r in records[2].values()) == [2, 3]
+
+
 def test_a_queue_shorter_than_the_batch_is_refused(tiny_dir, monkeypatch):
   from diversed_jax.evaluation import validate
   monkeypatch.setenv("DIVERSED_TINY_DIR", tiny_dir)
@@ -161,6 +186,21 @@ def test_store_drops_a_torn_tail(tmp_path):
   store = ResultStore(path)
   assert store.done("f") == {"a", "b"} and store.done("g") == set()
   assert open(path).read().count("\n") == 2 and open(path).read().endswith("\n")
+
+
+def test_store_skips_a_bad_middle_line_and_keeps_what_follows(tmp_path, caplog):
+  path = str(tmp_path / "r.jsonl")
+  store = ResultStore(path)
+  store.append([{"fingerprint": "f", "example_id": "a"}])
+  with open(path, "a") as f:
+    f.write('{"fingerprint": "f", "exa\n')  # a bad line, not the last one
+  store.append([{"fingerprint": "f", "example_id": "b"}])
+  before = open(path).read()
+  with caplog.at_level("WARNING"):
+    store = ResultStore(path)
+  assert store.done("f") == {"a", "b"}
+  assert open(path).read() == before  # nothing deleted
+  assert f"{path} line 2 " in caplog.text
 
 
 def test_report_handles_missing_ar(tmp_path):
@@ -277,12 +317,20 @@ def _run(config, setting, tmp_path):
 
 
 def test_padding_prompts_time_is_not_charged_to_real_examples(tmp_path):
-  # 9 examples, 8 a call: the second call is 1 example padded to 8 prompts.
+  # 9 examples, 8 a call: the second call is 1 example padded to one batch of 2 prompts.
   config = _gsm8k_config(**{"decode.batch_size": 2, "decode.queue": 8, "methods.run": "ar",
                             "task.limit": 9})
   calls, records = _run(config, methods.expand(config)[0], tmp_path)
-  assert calls == [8, 8]
+  assert calls == [8, 2]
   assert [r["seconds"] for r in records] == pytest.approx([1.0] * 9)
+
+
+def test_a_short_call_is_padded_to_batch_size_times_a_power_of_two():
+  # Each padded length is one more compiled program: at most log2(queue / batch) + 1 of them.
+  decode = types.SimpleNamespace(batch_size=2, queue=12)
+  sizes = [evaluate.padded_call_size(n, decode) for n in range(1, 13)]
+  assert sizes == [2, 2, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12]
+  assert evaluate.padded_call_size(3, types.SimpleNamespace(batch_size=4, queue=0)) == 4
 
 
 def test_weight_is_the_mean_over_committed_positions_and_cascade_has_none(tmp_path):

@@ -142,11 +142,11 @@ def test_rows_that_do_not_divide_over_the_mesh_are_refused(tiny_dir, tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
-# Continuous batching: 8 examples a call (4 real, padded) through 4 rows; on 4 devices each
+# Continuous batching: 8 examples a call (6 real, padded) through 4 rows; on 4 devices each
 # runs its own queue of 2 through 1 row. Greedy, so the one-device records come back.
 QUEUE_JOB = ["--config=configs/gsm8k.py:tiny", "--config.methods.run=ar,sd",
              "--config.decode.temperature=0.0", "--config.decode.batch_size=4",
-             "--config.decode.queue=8"]
+             "--config.decode.queue=8", "--config.task.limit=6"]
 
 
 def test_a_queue_split_over_devices_and_processes_matches_one_device(tiny_dir, tmp_path):
@@ -154,7 +154,7 @@ def test_a_queue_split_over_devices_and_processes_matches_one_device(tiny_dir, t
   code, out, err = _run([*QUEUE_JOB, f"--workdir={one}"], _env(tiny_dir))
   assert code == 0, err[-3000:]
   want = _records(one)
-  assert len(want) == 2 * 4
+  assert len(want) == 2 * 6
   code, out, err = _run([*QUEUE_JOB, f"--workdir={four}"], _env(tiny_dir, devices=4))
   assert code == 0, err[-3000:]
   outs = [out, *_two_processes(tiny_dir, [two, str(tmp_path / "p1")], job=QUEUE_JOB)]

@@ -201,6 +201,57 @@ def test_code_prompts():
   assert prompts.load_shots("humaneval", 0) == []
 
 
+def _text(ids):
+  return "".join(chr(i) for i in ids)
+
+
+def test_a_prompt_over_its_budget_keeps_its_template_and_instruction():
+  # Ids are characters: the budget counts characters. A cut from the left would lose the
+  # "<user>" header and the instruction; shortening keeps both and the article's end marker.
+  tok = FakeTokenizer(chat_template="{{ messages }}")
+  article = lambda i: " ".join(f"w{i}" for _ in range(500))
+  ex = Example("e", "cnndm", article(0), "Ref.", {})
+  shots = [Example(f"s{i}", "cnndm", article(i), "Shot summary.", {}) for i in (1, 2)]
+  header = "<user>" + prompts.SUMMARY_INSTRUCTION["cnndm"]
+  full, cut = prompts.fit_prompt_ids(ex, shots, tok, 10_000, max_source_words=400)
+  assert not cut and len(full) > 3_000
+  ids, cut = prompts.fit_prompt_ids(ex, shots, tok, 900, max_source_words=400)
+  text = _text(ids)
+  assert cut and len(ids) <= 900 and text.startswith(header)
+  assert text.endswith("\nSummary:</user><assistant>") and text.count("Article: ") == 3
+  ids, cut = prompts.fit_prompt_ids(ex, shots, tok, 300, max_source_words=400)
+  text = _text(ids)  # articles at MIN_SOURCE_WORDS are still too long: the shots go
+  assert cut and len(ids) <= 300 and text.startswith(header) and text.count("Article: ") == 1
+  # A GSM8K prompt has no article to cut: shots go, then the question keeps its end; when
+  # the instruction alone is too long the prompt comes back whole for the caller.
+  question = Example("q", "gsm8k", "Tom has 3 apples. " * 15 + "How many?", "3", {})
+  gsm_shots = [Example("g", "gsm8k", "One plus one?", "2", {"solution": "1+1=2\n#### 2"})]
+  gsm_header = "<user>" + prompts.GSM8K_INSTRUCTION
+  ids, cut = prompts.fit_prompt_ids(question, gsm_shots, tok, 500)
+  assert cut and len(ids) <= 500 and _text(ids).startswith(gsm_header)
+  assert "One plus one" not in _text(ids) and question.source_text in _text(ids)
+  ids, cut = prompts.fit_prompt_ids(question, gsm_shots, tok, 300)
+  text = _text(ids)
+  assert cut and 280 < len(ids) <= 300 and text.startswith(gsm_header)
+  assert "Question: ... " in text and text.endswith("apples. How many?\nAnswer:</user><assistant>")
+  whole, _ = prompts.fit_prompt_ids(question, gsm_shots, tok, 10_000)
+  assert prompts.fit_prompt_ids(question, gsm_shots, tok, 100) == (whole, False)
+  task = get_task("cnndm")
+  assert task.prompt_ids(ex, shots, tok, 900) == prompts.fit_prompt_ids(
+      ex, shots, tok, 900, max_source_words=task.max_source_words)
+
+
+def test_local_sources_and_where_shots_come_from(tmp_path):
+  odd = tmp_path / "gsm8k_test.ndjson"  # an existing file is local, whatever its suffix
+  odd.write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
+  assert datasets.is_local(str(odd)) and datasets.is_local("x.jsonl")
+  assert not datasets.is_local("openai/gsm8k")
+  assert prompts.shot_origin("gsm8k", str(odd)) == (None, "train")
+  assert prompts.shot_origin("mbpp", None) == (None, "prompt")
+  assert prompts.shot_origin("cnndm", "abisee/cnn_dailymail") == ("abisee/cnn_dailymail",
+                                                                   "train")
+
+
 def test_encode_prompt_chat_and_base():
   chat_tok = FakeTokenizer(chat_template="{{ messages }}")
   ids = prompts.encode_prompt("Hi", chat_tok)
@@ -265,6 +316,28 @@ def test_task_rewards_and_quality():
     ("versions 1.2.5 and 3", "3"),
 ])
 def test_gsm8k_the_models_own_answer_statement_wins(completion, expected):
+  assert gsm8k.extract_answer(completion) == expected
+
+
+# The answer is the model's last statement of it, within this problem: an early 'answer' in
+# the reasoning, an answer in words, or a new question the model invents does not win.
+@pytest.mark.parametrize("completion, expected", [
+    ("To find the answer: we compute 16-3-4=9, then 9*2 = 18.\nSo she makes $18.", "18"),
+    ("we know the answer is in dollars: 18 * 2 = 36. The answer is 36.", "36"),
+    ("we know the answer is in dollars: 18 * 2 = 36.", "36"),  # the result, not an operand
+    ("The answer is: eighteen dollars. Next, 4 more", None),  # in words: nothing before it
+    ("9 * 2 = 18. The answer is eighteen. Next, 4 more", "18"),
+    ("She has 3 + 4 = 7 apples.\n\nQuestion: How many pears?\nAnswer: 5", "7"),
+    ("She has 7 apples.\nQ: What is 2 + 3?\nA: 5", "7"),
+    ("The answer is 5. Checking: 2 + 3 = 5, so the answer is 5 * 200 = 1,000.", "1000"),
+    ("First 4, then 8.\n#### 12\nThe answer is 8.", "12"),  # '####' wins
+    ("Total: $1,234.50 spent. The answer is $1,234.50.", "1234.5"),
+    ("The temperature is 3 - 5 = -2 degrees. The answer is -2.", "-2"),
+    ("The final answer is: **$2,000**", "2000"),
+    ("Each costs 0.25, so 4 cost 1.00. Final answer: 1", "1"),
+    ("The answer is 0.5 hours.", "0.5"),
+])
+def test_gsm8k_the_last_statement_within_the_problem_wins(completion, expected):
   assert gsm8k.extract_answer(completion) == expected
 
 

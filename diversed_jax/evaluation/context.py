@@ -39,21 +39,46 @@ def load_slice(task_cfg, split: str | None = None, offset: int | None = None,
   return task, examples[offset:]
 
 
-def encode_prompts(config, task: Task, examples, tokenizer) -> list[list[int]]:
-  """Prompt ids per example; longer than task.max_prompt_tokens: the last ones kept."""
-  # Shots come from a train split, never from the evaluated file: the hub dataset's when
-  # the source is a hub name, else the shipped one.
-  source = config.task.source
-  hub = bool(source) and not validate_lib.is_local(source)
-  shots = prompts_lib.load_shots(task.name, config.task.num_shots,
-                                 source=source if hub else None,
-                                 fields=field_overrides(config.task.fields) if hub else None)
+def prompt_shots(config, task_name: str | None = None) -> list:
+  """The few-shot examples of `task_name`'s prompts (default task.name; task.num_shots of
+  them) from a train split, never from the evaluated data (validate.check_shots_apart):
+  the hub dataset's when task.source is a hub name, else the shipped one. Another task's
+  (a head trained on train.task) come from its shipped train split."""
+  t = config.task
+  task_name = task_name or t.name
+  if task_name != t.name:
+    return prompts_lib.load_shots(task_name, t.num_shots)
+  validate_lib.check_shots_apart(t)
+  source, _ = prompts_lib.shot_origin(t.name, t.source or None)
+  return prompts_lib.load_shots(t.name, t.num_shots, source=source,
+                                fields=field_overrides(t.fields) if source else None)
+
+
+def encode_prompts(config, task: Task, examples, tokenizer, log=print) -> list[list[int]]:
+  """Prompt ids per example, each in task.max_prompt_tokens ids with its chat template
+  and instruction whole (Task.prompt_ids shortens the articles, drops shots, at last cuts
+  the example's text); how many were shortened is logged. A budget below the template and
+  instruction alone keeps the prompt's last ids, with a warning naming the field."""
+  shots = prompt_shots(config)
   cap = config.task.max_prompt_tokens
-  out = []
+  out, shortened, headless = [], 0, []
   for example in examples:
-    text = task.prompt(example, shots, chat=config.model.chat)
-    ids = prompts_lib.encode_prompt(text, tokenizer, chat=config.model.chat)
-    out.append(ids[-cap:])
+    ids, cut = task.prompt_ids(example, shots, tokenizer, cap, chat=config.model.chat)
+    if len(ids) > cap:
+      headless.append(len(ids))
+      ids = ids[-cap:]
+    out.append(ids)
+    shortened += cut
+  if shortened:
+    log(f"{shortened} of {len(examples)} prompts shortened to fit "
+        f"task.max_prompt_tokens={cap} (fewer article words, shots or words of the "
+        "example's text), each with its template and instruction")
+  if headless:
+    # Only a budget for smoke tests gets here (the tiny preset's, in byte tokens).
+    log(f"WARNING: task.max_prompt_tokens={cap} is below the chat template and "
+        f"instruction alone: {len(headless)} of {len(examples)} prompts (up to "
+        f"{max(headless)} tokens) keep their last {cap} tokens, without the template's "
+        "header or the instruction; raise task.max_prompt_tokens")
   return out
 
 
@@ -75,10 +100,12 @@ class Models:
       return self.decoders["diversed"]
     return self.decoders[setting.draft]
 
-  def attach_head(self, folder: str) -> None:
-    """Uses the head in `folder` (written by training.train_head) for 'diversed'."""
-    from diversed_jax.training import head_io
-    weight_fn, params = head_io.load_head_folder(folder)
+  def attach_head(self, folder: str, task: str | None = None) -> None:
+    """Uses the head in `folder` (written by training.train_head) for 'diversed', after
+    checking that it was trained for this target and the default draft (build.load_head;
+    `task`: the task it should have been trained on, a mismatch only warns)."""
+    draft = self.info.get("draft") or self.info.get("finetuned_draft")
+    weight_fn, params, _ = build.load_head(folder, self.info["target"], draft, task)
     base = self.decoders["default"]
     self.decoders["diversed"] = SpeculativeDecoder(base.target, base.draft, base.draft_params,
                                                    weight_fn, params,
@@ -174,6 +201,6 @@ def load_models(config, settings, workdir: str | None = None, target=None,
     decoders["default"] = decoders["finetuned"]
   models = Models(target, tokenizer, decoders, info)
   if head_folder and "diversed" in families:
-    models.attach_head(head_folder)
+    models.attach_head(head_folder, head_task)
   log("models: " + ", ".join(f"{k}={v}" for k, v in info.items()))
   return models

@@ -6,12 +6,12 @@ append one JSON line per example. A call decodes `decode.batch_size` examples, o
 `decode.queue` > batch_size that many examples through batch_size rows with continuous
 batching. Summary rows are computed from the file (report.summarize).
 
-Per-example record: fingerprint, setting, method, params, example_id, index, completion,
-num_tokens, rounds, accepted, num_draft, theory (sum over rounds of the expected accepted
-drafts), weight (mean w_t on the target over the positions whose law committed a token,
-d_1..d_n and the token at n; static, static_logit and diversed only), seconds (the call's
-decode seconds shared by row-rounds: an example's rounds over all the rounds the rows ran,
-so padding prompts keep their share out of the records), reward.
+Per-example record: fingerprint, setting, method, params, example_id, index (in the split,
+not the slice), completion, num_tokens, rounds, accepted, num_draft, theory (sum over rounds
+of the expected accepted drafts), weight (mean w_t on the target over the positions whose
+law committed a token, d_1..d_n and the token at n; static, static_logit and diversed
+only), seconds (the call's decode seconds shared by row-rounds: an example's rounds over all
+the rounds the rows ran, so padding prompts keep their share out of the records), reward.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def setting_fingerprint(config, setting, models) -> str:
 
 def call_layout(decode) -> dict:
   """The decode settings that shape each call: they change the seconds, and at T > 0 the
-  samples (each call's seed is seed + its first example's index)."""
+  samples (each call's seed is seed + its first example's index in the split)."""
   return {"batch_size": decode.batch_size, "examples_per_call": examples_per_call(decode),
           "shrink_tail": decode.shrink_tail}
 
@@ -87,6 +87,22 @@ def call_layout(decode) -> dict:
 def examples_per_call(decode) -> int:
   """Examples a decoding call takes: decode.queue when it exceeds batch_size."""
   return max(decode.batch_size, decode.queue)
+
+
+def padded_call_size(num_prompts: int, decode) -> int:
+  """Prompts a call decodes: `num_prompts` padded to batch_size times a power of two, at
+  most examples_per_call.
+
+  The queue length is a static shape of the compiled program. Padding every call to the
+  full queue kept one program but ran up to queue - 1 dummy prompts through the rows;
+  padding to the exact length would compile one program per distinct tail. Power-of-two
+  multiples of batch_size compile at most log2(queue / batch_size) + 1 programs per
+  setting and decode fewer dummy prompts than real ones (beyond the first batch).
+  """
+  padded = decode.batch_size
+  while padded < num_prompts:
+    padded *= 2
+  return min(padded, examples_per_call(decode))
 
 
 def mean_committed_weight(stats, served) -> float:
@@ -108,7 +124,7 @@ def row_figures(stats, prompt: int, num_tokens: int, speculative: bool,
   rounds = figures["rounds"]
   out = {"rounds": rounds,
          "num_draft": int(np.asarray(stats.accept_prob_rbk).shape[-1]) if speculative else 0,
-         "accepted": int(round(figures["mean_accepted"] * rounds)),
+         "accepted": figures["accepted"],
          "theory": figures["expected_accepted_theory"] * rounds}
   if with_weights and served.any():
     out["weight"] = mean_committed_weight(stats, served)
@@ -132,6 +148,10 @@ def run_setting(setting, fp: str, config, models, task, examples, prompts, store
   decoder = models.decoder_for(setting)
   size = examples_per_call(config.decode)
   rows_at_once = config.decode.batch_size if size > config.decode.batch_size else None
+  # Positions in the whole split: a call's seed and a record's index do not depend on
+  # where the slice starts, so disjoint slices never reuse keys and an example decoded in
+  # any slice aligned to the call size gets the same key.
+  offset = config.task.offset
   batches = range(0, len(examples), size)
   for number, start in enumerate(batches, 1):
     rows = [i for i in range(start, min(start + size, len(examples)))
@@ -139,10 +159,10 @@ def run_setting(setting, fp: str, config, models, task, examples, prompts, store
     if not rows:
       continue
     batch = [prompts[i] for i in rows]
-    batch += [batch[-1]] * (size - len(batch))  # same shape as every other call
+    batch += [batch[-1]] * (padded_call_size(len(batch), config.decode) - len(batch))
     out = decoder.generate(batch, setting.verify, num_draft=config.decode.num_draft,
                            max_new_tokens=config.decode.max_new_tokens,
-                           seed=config.seed + start, batch_size=rows_at_once)
+                           seed=config.seed + offset + start, batch_size=rows_at_once)
     texts = [models.tokenizer.decode(out.token_ids[j], skip_special_tokens=True)
              for j in range(len(rows))]
     rewards = task.rewards(texts, [examples[i] for i in rows],
@@ -154,7 +174,7 @@ def run_setting(setting, fp: str, config, models, task, examples, prompts, store
                             weighted)
       records.append({
           "fingerprint": fp, "setting": setting.name, "method": setting.family,
-          "params": setting.params_dict, "example_id": examples[i].id, "index": i,
+          "params": setting.params_dict, "example_id": examples[i].id, "index": offset + i,
           "completion": texts[j], "num_tokens": len(out.token_ids[j]),
           "seconds": seconds_share(out.stats, out.seconds, figures["rounds"]),
           "reward": float(rewards[j]), **figures})

@@ -2,8 +2,9 @@
 
 One line per (setting, example): a batch's lines are written with a single `write` and an
 fsync, so a kill leaves at most one torn last line, which `ResultStore` cuts off when it
-opens the file. A record counts only for the run it belongs to (its `fingerprint`, a hash
-of everything that changes the result), so changing the config never reuses stale lines.
+opens the file; a bad line before it is skipped with a warning and kept. A record counts
+only for the run it belongs to (its `fingerprint`, a hash of everything that changes the
+result), so changing the config never reuses stale lines.
 
 In a multi-host job only process 0 reads and writes the file; the others hold the same
 records in memory (process 0's file, broadcast when the store opens, then every batch's
@@ -17,6 +18,7 @@ import json
 import os
 from typing import Iterable
 
+from absl import logging
 import jax
 
 from diversed_jax.parallel import hosts
@@ -47,19 +49,26 @@ class ResultStore:
       return f.read()
 
   def _load(self, data: bytes) -> None:
-    good = 0  # byte offset after the last complete, parseable line
-    for line in data.splitlines(keepends=True):
-      if not line.endswith(b"\n"):
-        break
+    *lines, tail = data.split(b"\n")
+    for number, line in enumerate(lines, start=1):
+      if not line.strip():
+        continue
       try:
-        self._records.append(json.loads(line))
-      except json.JSONDecodeError:
-        break
-      good += len(line)
-    # A torn tail from a killed run: dropped (process 0 cuts the file), it is recomputed.
-    if good != len(data) and self._writer:
+        record = json.loads(line)
+      except ValueError:  # JSON or UTF-8 errors
+        record = None
+      if isinstance(record, dict):
+        self._records.append(record)
+      else:
+        # A whole line that is no record (a hand edit, a disk fault) is skipped but left on
+        # disk: cutting the file there would delete every valid record after it.
+        logging.warning("%s line %d is not a JSON record; skipped: %.80r", self.path,
+                        number, line)
+    # Only the last line can lack its newline: the torn tail of a killed run. Process 0 cuts
+    # it off (else the next append would join it), and its example is recomputed.
+    if tail and self._writer:
       with open(self.path, "r+b") as f:
-        f.truncate(good)
+        f.truncate(len(data) - len(tail))
 
   def records(self, fp: str) -> list[dict]:
     """Records of one setting fingerprint, one per example id (the first written)."""

@@ -15,6 +15,7 @@ workdir's files and prints the tables.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -86,9 +87,25 @@ def train(config, workdir: str, target=None, log: Callable = _log) -> str:
   draft, draft_params, draft_spec = build.load_draft(config.model.draft or None, target)
   log(f"training the head on {len(examples)} {task.name} examples, draft {draft_spec}")
   return training.train_head(
-      config.train, target=target, draft=draft, draft_params=draft_params, task=task,
-      examples=examples, workdir=os.path.join(workdir, context_lib.TRAIN_SUBDIR),
-      tokenizer=tokenizer, draft_spec=draft_spec, progress=log)
+      config.train, target=target, draft=draft, draft_params=draft_params,
+      task=training_task(config, task, tokenizer), examples=examples,
+      workdir=os.path.join(workdir, context_lib.TRAIN_SUBDIR), draft_spec=draft_spec,
+      progress=log)
+
+
+def training_task(config, task, tokenizer):
+  """The trainer's TokenTask of `task`, with the evaluation's prompts: model.chat,
+  task.num_shots shots and the template kept whole (context.encode_prompts). A prompt
+  that does not fit comes at its shortest, and the trainer skips those over
+  train.max_prompt_tokens."""
+  from diversed_jax import training
+  shots = context_lib.prompt_shots(config, task.name)
+  max_tokens = min(config.task.max_prompt_tokens, config.train.max_prompt_tokens)
+
+  def prompt_ids(example):
+    return task.prompt_ids(example, shots, tokenizer, max_tokens, chat=config.model.chat)[0]
+
+  return dataclasses.replace(training.text_task(task, tokenizer), prompt_ids=prompt_ids)
 
 
 def evaluate_and_report(config, workdir: str, models=None, target=None,

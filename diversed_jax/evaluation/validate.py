@@ -11,8 +11,11 @@ import os
 
 from diversed_jax.evaluation import methods as methods_lib
 from diversed_jax.models import loading, registry
+from diversed_jax.speculative import build
 from diversed_jax.speculative.decoder import MATMUL_PRECISIONS
 from diversed_jax.speculative.types import CASCADE_RULES, DIVERGENCES
+from diversed_jax.tasks import datasets, prompts
+from diversed_jax.tasks.datasets import is_local
 
 MODES = ("eval", "train", "train_and_eval", "distill", "bench")
 TASKS = ("gsm8k", "cnndm", "xsum", "mbpp", "humaneval")
@@ -33,17 +36,21 @@ def _fail(field: str, value, why: str):
   raise ValueError(f"{field}={value!r}: {why}")
 
 
-def is_local(spec: str) -> bool:
-  """A path rather than a hub name (what tasks.datasets reads as a local file)."""
-  return spec.startswith(("/", ".", "~")) or spec.endswith((".json", ".jsonl", ".gguf"))
-
-
-def _check_model(field: str, spec: str, allow_self: bool = False) -> None:
+def check_model(field: str, spec: str, allow_self: bool = False) -> None:
+  """Raises ValueError unless `spec` names a model: a registry name, an existing file or
+  folder, or a hub id; with `allow_self` (a draft) also 'self:L' and 'nocopy:FOLDER'."""
   if not isinstance(spec, str):
     _fail(field, spec, "must be a string")
   if allow_self and spec.startswith("self:"):
     if not spec[5:].isdigit() or int(spec[5:]) < 1:
       _fail(field, spec, "a self-draft is 'self:L' with L >= 1 target layers")
+    return
+  if allow_self and spec.startswith(build.NO_COPY):
+    marker = os.path.join(os.path.expanduser(spec.removeprefix(build.NO_COPY)),
+                          build.DRAFT_KIND_FILE)
+    if not os.path.isfile(marker):
+      _fail(field, spec, f"{build.NO_COPY!r} needs a distilled draft folder (one with "
+            f"{build.DRAFT_KIND_FILE})")
     return
   if (registry.is_registered(spec) or os.path.exists(os.path.expanduser(spec))
       or (loading.looks_like_hub_id(spec) and not is_local(spec))):
@@ -99,6 +106,7 @@ def _check_task(config) -> None:
       set(SHIPPED_SPLITS[t.name]) & {"train", "prompt"}):
     _fail("task.num_shots", t.num_shots, f"few-shot examples come from a train split: none "
           f"ships for {t.name}; use a hub source")
+  check_shots_apart(t)
   _check_number("task.max_prompt_tokens", t.max_prompt_tokens, 2, integer=True)
   for key, value in t.fields.items():
     if value and key not in TASK_FIELDS[t.name]:
@@ -109,6 +117,28 @@ def _check_task(config) -> None:
     value = config[section][key]
     if value and value not in TASKS:
       _fail(field, value, f"must be '' or one of {list(TASKS)}")
+
+
+def check_shots_apart(task_cfg) -> None:
+  """Refuses few-shot examples drawn from the data being evaluated (`task` section): a
+  test example shown solved in the prompt of the evaluation that scores it."""
+  t = task_cfg
+  if not t.num_shots:
+    return
+  shot_source, shot_split = prompts.shot_origin(t.name, t.source or None)
+  if t.source and is_local(t.source):
+    # Shots come from the shipped file: a copy of it given as the source is the same data.
+    shipped = datasets.shipped_split_path(t.name, shot_split)
+    same = bool(shipped) and os.path.realpath(os.path.expanduser(t.source)) == (
+        os.path.realpath(shipped))
+  else:
+    # MBPP's 'all' split holds every other split, the shots' included.
+    same = shot_source == (t.source or None) and (
+        t.split == shot_split or (t.name == "mbpp" and t.split == "all"))
+  if same:
+    _fail("task.num_shots", t.num_shots, f"the few-shot examples would come from the "
+          f"evaluated data itself (task.source={t.source!r}, task.split={t.split!r}, shots "
+          f"from split {shot_split!r}): evaluate another split or set task.num_shots=0")
 
 
 def _check_methods(config) -> None:
@@ -166,13 +196,13 @@ def validate(config) -> None:
   """Raises ValueError naming the first bad field and its value; loads nothing."""
   if config.mode not in MODES:
     _fail("mode", config.mode, f"must be one of {list(MODES)}")
-  _check_model("model.target", config.model.target)
+  check_model("model.target", config.model.target)
   if config.model.draft:
-    _check_model("model.draft", config.model.draft, allow_self=True)
+    check_model("model.draft", config.model.draft, allow_self=True)
   if config.model.finetuned_draft:
-    _check_model("model.finetuned_draft", config.model.finetuned_draft, allow_self=True)
+    check_model("model.finetuned_draft", config.model.finetuned_draft, allow_self=True)
   if config.model.tokenizer:
-    _check_model("model.tokenizer", config.model.tokenizer)
+    check_model("model.tokenizer", config.model.tokenizer)
   if config.head.path and not os.path.isdir(os.path.expanduser(config.head.path)):
     _fail("head.path", config.head.path, "no such head folder")
   _check_task(config)
@@ -212,6 +242,10 @@ def validate(config) -> None:
   _check_number("train.limit", config.train.limit, 0, integer=True)
   if config.mode in ("train", "train_and_eval"):
     train_task = config.train.task or config.task.name
+    if train_task == "humaneval" and config.task.num_shots:
+      # The head trains on prompts formatted as the evaluation's, shots included.
+      _fail("task.num_shots", config.task.num_shots, "the head's humaneval training "
+            "prompts cannot have few-shot examples (no train split); set train.task")
     source = config.train.source
     if source and is_local(source) and not os.path.isfile(os.path.expanduser(source)):
       _fail("train.source", source, "no such file (a local .jsonl/.json file or a hub name)")

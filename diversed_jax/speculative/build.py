@@ -25,6 +25,7 @@ from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
 
 FALLBACK_DRAFT = "self:4"
 NO_COPY = "nocopy:"  # prefix: a distilled draft folder without its context-copy gate
+DRAFT_KIND_FILE = "draft_kind.txt"  # marks a distilled draft folder; holds its loader's kind
 FALLBACK_WEIGHT = 0.5
 FIXED_HEAD = f"fixed w={FALLBACK_WEIGHT}"  # the head description of that fallback
 # The task whose shipped head serves when none is named (generate without --task): the
@@ -80,7 +81,7 @@ def load_draft(draft_spec: str | None, target: loading.LoadedModel, dtype=jnp.fl
     draft, params = drafts.self_draft(target.config, target.params, num_layers)
     return draft, params, draft_spec
   folder = draft_spec.removeprefix(NO_COPY)
-  marker = os.path.join(folder, "draft_kind.txt")
+  marker = os.path.join(folder, DRAFT_KIND_FILE)
   if os.path.isfile(marker):
     kind = open(marker).read().strip()
     if kind not in DRAFT_LOADERS:
@@ -131,7 +132,11 @@ def fixed_weight_warning(target_name: str, draft_spec: str, task: str | None) ->
 
 def load_head(head_spec: str | None, target_name: str, draft_spec: str, task: str | None):
   """(weight_fn, head params, description) for method 'diversed'; without `head_spec`,
-  the shipped head (`shipped_head`), else FIXED_HEAD."""
+  the shipped head (`shipped_head`, registered for this very pair), else FIXED_HEAD. A
+  given `head_spec` must have been trained for `target_name` and `draft_spec`: its w_t
+  reads their hidden states, and heads of different drafts can have the same input width
+  (ValueError otherwise; another task than `task` only warns)."""
+  given = head_spec is not None
   if head_spec is None:
     head_spec = shipped_head(target_name, draft_spec, task)
   if head_spec is None:
@@ -139,6 +144,9 @@ def load_head(head_spec: str | None, target_name: str, draft_spec: str, task: st
   _register_shipped_artifacts()
   if not HEAD_LOADER:
     raise ValueError(f"head {head_spec!r} given but the training package is not available")
+  if given:
+    from diversed_jax.training import head_io  # there: it filled HEAD_LOADER
+    head_io.check_pair(head_spec, target_name, draft_spec, task)
   weight_fn, params = HEAD_LOADER[0](head_spec)
   return weight_fn, params, head_spec
 

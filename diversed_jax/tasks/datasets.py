@@ -94,9 +94,18 @@ def shipped_path(task: str, filename: str) -> str:
   return str(importlib.resources.files("diversed_jax") / "data" / task / filename)
 
 
-def _is_local(source: str) -> bool:
-  return (os.path.exists(source) or source.endswith((".json", ".jsonl"))
+def is_local(source: str) -> bool:
+  """A local file rather than a hub name: an existing path, a .json/.jsonl name, or an
+  explicit path start. The one test of it, so that loading, validation and the choice of
+  few-shot examples agree on what a source is."""
+  return (os.path.exists(os.path.expanduser(source)) or source.endswith((".json", ".jsonl"))
           or source.startswith(("/", ".", "~")))
+
+
+def shipped_split_path(task: str, split: str) -> str | None:
+  """The shipped file that holds `split` of `task`, or None when none ships."""
+  filename = _LAYOUTS[task].shipped.get(split)
+  return shipped_path(task, filename) if filename else None
 
 
 def _read_local(path: str) -> list[dict]:
@@ -213,7 +222,7 @@ def load_examples(task: str, source: str | None = None, split: str = "test",
     origin = shipped_path(task, layout.shipped[split])
     records = _read_local(origin)
     mbpp_range = MBPP_SPLITS.get(split) if task == "mbpp" else None
-  elif _is_local(source):
+  elif is_local(source):
     origin = source
     records = _read_local(source)
   else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Sequence
 
@@ -20,6 +21,9 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Answer with th
                          "function in a ```python code block.")
 # The few-shot MBPP problems of the original paper (Austin et al. 2021): task_ids 2, 3, 4.
 MBPP_SHOT_IDS = ("2", "3", "4")
+# A prompt over its token budget keeps fewer article words, but not fewer than this: a
+# shorter article says too little to summarise, so shots go instead.
+MIN_SOURCE_WORDS = 32
 
 
 def truncate(text: str, max_words: int | None = None, max_chars: int | None = None) -> str:
@@ -109,6 +113,15 @@ def build_prompt(example: Example, shots: Sequence[Example] = (), *,
   raise ValueError(f"no prompt for task {task!r}; choose one of {list(datasets.TASKS)}")
 
 
+def shot_origin(task: str, source: str | None) -> tuple[str | None, str]:
+  """(source, split) the few-shot examples of prompts on `source` come from: a hub
+  dataset's own train split; for the shipped sample or a local file, the shipped train
+  split (MBPP: its 'prompt' split). Never the local file itself, whose split is unknown."""
+  if source and not datasets.is_local(source):
+    return source, "train"
+  return None, "prompt" if task == "mbpp" else "train"
+
+
 def load_shots(task: str, k: int, source: str | None = None, split: str = "train",
                fields: dict[str, str] | None = None) -> list[Example]:
   """The first `k` solved examples for few-shot prompts (MBPP: task_ids 2, 3, 4, ...).
@@ -149,3 +162,75 @@ def encode_prompt(text: str, tokenizer: Any, chat: bool | None = None,
   rendered = tokenizer.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=True)
   return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def fit_prompt_ids(example: Example, shots: Sequence[Example], tokenizer: Any,
+                   max_tokens: int, *, chat: bool = True,
+                   max_source_words: int | None = None) -> tuple[list[int], bool]:
+  """(ids, shortened): encode_prompt(build_prompt(...)) in at most `max_tokens` ids where
+  it can be, and whether it had to be shortened.
+
+  Only the variable part gives, before the chat template is applied, so the template's
+  header (BOS, role markers) and the instruction always stay: first the articles of a
+  summarization prompt keep fewer words (down to MIN_SOURCE_WORDS), then shots are
+  dropped, the last first, and last of all the example's own text is cut (_cut_source).
+  When the template and instruction alone are too long the prompt comes back whole and
+  unshortened (len(ids) > max_tokens): the caller decides whether to refuse or skip it.
+  """
+  def encode(ex, kept_shots, words):
+    text = build_prompt(ex, kept_shots, max_source_words=words, chat=chat)
+    return encode_prompt(text, tokenizer, chat=chat)
+
+  shots = list(shots)
+  whole = ids = encode(example, shots, max_source_words)
+  if len(ids) <= max_tokens:
+    return ids, False
+  words = max_source_words
+  if example.task in SUMMARY_INSTRUCTION:
+    ids, words = _shrink_articles(lambda w: encode(example, shots, w), example, shots, ids,
+                                  words, max_tokens)
+  while len(ids) > max_tokens and shots:
+    shots.pop()
+    ids = encode(example, shots, words)
+  if len(ids) > max_tokens:
+    ids = _cut_source(lambda ex: encode(ex, shots, words), example, max_tokens)
+  return (ids, True) if len(ids) <= max_tokens else (whole, False)
+
+
+def _cut_source(encode, example: Example, max_tokens: int) -> list[int]:
+  """The prompt with as many words of the example's own text as fit: an article keeps
+  its start (where summaries come from), a question or problem its end (where it asks).
+  A last resort, for budgets below a whole prompt (the tiny test preset's)."""
+  text = example.source_text
+  spans = list(re.finditer(r"\S+", text))
+
+  def prompt_keeping(k):
+    if example.task in SUMMARY_INSTRUCTION:
+      kept = truncate(text, max_words=k)
+    else:
+      kept = "... " + text[spans[-k].start():] if k else "..."
+    return encode(dataclasses.replace(example, source_text=kept))
+
+  low, high, best = 0, len(spans), prompt_keeping(0)
+  while low < high:  # the most words that fit; prompt_keeping(low) fits once low > 0
+    mid = (low + high + 1) // 2
+    ids = prompt_keeping(mid)
+    if len(ids) <= max_tokens:
+      low, best = mid, ids
+    else:
+      high = mid - 1
+  return best
+
+
+def _shrink_articles(encode, example: Example, shots: list[Example], ids: list[int],
+                     words: int | None, max_tokens: int) -> tuple[list[int], int]:
+  """Fewer words per article until the prompt fits or they are down to MIN_SOURCE_WORDS
+  (`encode`: word budget -> ids); returns the ids and the word budget reached."""
+  words = words or max(len(e.source_text.split()) for e in [example, *shots])
+  while len(ids) > max_tokens and words > MIN_SOURCE_WORDS:
+    # Tokens grow about linearly with the words kept, plus a fixed part the scaling
+    # ignores: aim a little low, and always cut at least a word so that this ends.
+    aim = int(words * max_tokens / len(ids) * 0.95)
+    words = max(MIN_SOURCE_WORDS, min(words - 1, aim))
+    ids = encode(words)
+  return ids, words

@@ -36,6 +36,13 @@ class Task:
     return prompts.build_prompt(example, shots, max_source_words=self.max_source_words,
                                 chat=chat)
 
+  def prompt_ids(self, example: Example, shots: Sequence[Example], tokenizer,
+                 max_tokens: int, chat: bool = True) -> tuple[list[int], bool]:
+    """(ids, shortened) of the prompt in at most `max_tokens` ids where it fits, the
+    template kept whole (prompts.fit_prompt_ids, with this task's article truncation)."""
+    return prompts.fit_prompt_ids(example, shots, tokenizer, max_tokens, chat=chat,
+                                  max_source_words=self.max_source_words)
+
   def reward(self, completion: str, example: Example) -> float:
     """The RL reward of one completion, in [0, 1]."""
     return self.rewards([completion], [example], workers=1)[0]
