@@ -91,7 +91,7 @@ def step_cost(dec, k: int, repeats: int, cache_len: int = 512) -> dict:
   also the verify/decode ratio r at K = k."""
   from diversed_jax.speculative import step_costs
   costs = step_costs.StepCosts.best(
-      [step_costs.measure(dec, 1, k, cache_len) for _ in range(repeats)])
+      [step_costs.measure(dec, 1, k, cache_len, greedy=True) for _ in range(repeats)])
   return {"target_ms": 1e3 * costs.decode_s, "draft_ms": 1e3 * costs.draft_s,
           "verify_ms": 1e3 * costs.verify_s, "cost": costs.c, "r": costs.r, "k": k}
 

@@ -159,7 +159,8 @@ def main(argv):
 
     def timed_slot(m):
       """Step costs, then the one-token call, then the call itself: adjacent in time."""
-      costs = step_costs.measure(decoder, batch, k, cache_len, repeats=3)
+      costs = step_costs.measure(decoder, batch, k, cache_len, repeats=3,
+                                 greedy=_TEMPERATURE.value == 0)
       verify, steps = one_token[m]
       one_token_s, one_token_rounds = run_method(decoder, batches, verify, steps, rows, 1)[1:3]
       round_s = costs.decode_s if m == "ar" else costs.round_s(steps)

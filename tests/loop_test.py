@@ -218,6 +218,29 @@ def test_bad_tail_widths_are_refused(pair, tail_widths):
                 tail_widths=tail_widths)
 
 
+@pytest.mark.parametrize("num_draft,with_draft,cache_len,message", [
+    (2, True, 38, "cache_len=38 must be >= the prompt bucket 32 + max_new_tokens 4 + "
+                  "num_draft 2 + 1 = 39"),
+    (2, False, 64, "num_draft=2 needs a draft"),
+])
+def test_bad_decode_arguments_are_refused(pair, num_draft, with_draft, cache_len, message):
+  target, draft, draft_params = pair
+  spec = loop.LoopSpec(verify=VerifyParams(method="sd"), num_draft=num_draft,
+                       max_new_tokens=4)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    loop.decode(target.params, draft_params, None, jnp.ones((4, 32), jnp.int32),
+                jnp.full((4,), 3, jnp.int32), jax.random.PRNGKey(0), spec=spec,
+                target_config=target.config, draft=draft if with_draft else None,
+                cache_len=cache_len)
+
+
+def test_bad_loop_specs_are_refused():
+  with pytest.raises(ValueError, match=re.escape("method='ar' drafts nothing: num_draft=3")):
+    loop.LoopSpec(verify=VerifyParams(method="ar"), num_draft=3)
+  with pytest.raises(ValueError, match="record_policy needs a rule .* method='sd'"):
+    loop.LoopSpec(verify=VerifyParams(method="sd"), num_draft=3, record_policy=True)
+
+
 @pytest.mark.parametrize("chunk", [64, 12, 6])
 def test_prefill_passes_cover_the_prompt_and_no_more(chunk):
   """Whole chunks, then up to two quarter-chunk passes for a rest of at most half a chunk
@@ -331,8 +354,9 @@ def test_greedy_rounds_of_many_rows_take_the_row_independent_products(pair, meth
   """16 rows verifying K + 1 = 5 tokens make 80 rows, past the kernel's usual limit of
   64. Greedy rounds still take the kernel (no XLA product inside the while loop), so each
   row rounds as in a plain greedy step of 16 rows; sampled rounds keep XLA's faster dot
-  (which also shows that the search finds a product inside the loop). Prefill passes of 4
-  tokens keep the prefill on the kernel too."""
+  (which also shows that the search finds a product inside the loop). Greedy prefill
+  passes of 16 x 16 tokens take the kernel too (no XLA product anywhere), so a prompt's
+  greedy output does not depend on the prompts prefilled beside it."""
   if not cpu_kernels.available():
     pytest.skip("the few-row kernel cannot be built here")
   target, draft, draft_params = pair
@@ -344,7 +368,7 @@ def test_greedy_rounds_of_many_rows_take_the_row_independent_products(pair, meth
       dec.target_params(), dec.draft_params if k else None, None, jnp.ones((16, 16), jnp.int32),
       jnp.full((16,), 5, jnp.int32), jax.random.PRNGKey(0), spec=spec,
       target_config=target.config, draft=draft if k else None, cache_len=64,
-      prefill_chunk=4).compile().as_text()
+      prefill_chunk=16).compile().as_text()
   comps = _hlo_computations(text)
   loops = [re.search(r"body=%([\w.\-]+)", line).group(1) for line in comps["ENTRY"]
            if " while(" in line and 'op_name="jit(decode)/while"' in line]
@@ -352,6 +376,8 @@ def test_greedy_rounds_of_many_rows_take_the_row_independent_products(pair, meth
   assert loops and inside
   dots = {name for name, lines in comps.items() for line in lines if " dot(" in line}
   assert bool(dots & inside) == (temperature > 0), sorted(dots & inside)
+  if temperature == 0:
+    assert not dots, sorted(dots)
 
 
 def test_greedy_speculative_equals_greedy_past_the_kernels_row_limit(pair):
@@ -527,6 +553,23 @@ def test_step_costs_time_the_catch_up_call_as_the_loop_makes_it(pair):
                             steps_per_call=1)
   assert (2, True, True) in calls and (1, False, False) in calls, calls
   assert all(last_only for _, with_features, last_only in calls if with_features), calls
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_greedy_step_costs_take_the_greedy_loops_products(pair, greedy):
+  """A verification of 16 x 5 rows: timed for a greedy loop, on the kernel (no XLA dot), as
+  the loop runs it; else on XLA's dot."""
+  if not cpu_kernels.available():
+    pytest.skip("the few-row kernel cannot be built here")
+  from diversed_jax.speculative import step_costs
+  target, _, _ = pair
+  dec = decoder_lib.SpeculativeDecoder(target)
+  params = dec.target_params()
+  cache = transformer.init_cache(params, target.config, 16, 32)
+  text = step_costs._run_steps.lower(params, cache, jnp.ones((16, 5), jnp.int32),
+                                     model=target.config, num_steps=1,
+                                     greedy=greedy).compile().as_text()
+  assert (" dot(" in text) != greedy
 
 
 @pytest.mark.parametrize("method", ["static", "static_logit"])

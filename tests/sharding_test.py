@@ -1,5 +1,6 @@
-"""The speculative loop (also with a queue, one per device), SMC decoding and the head's
-teacher-forced pass run unchanged on a data-parallel mesh (4 fake CPU devices)."""
+"""The speculative loop (also with a queue, one per device), SMC decoding and the loop's
+policy record for head training run unchanged on a data-parallel mesh (4 fake CPU
+devices)."""
 
 import os
 import subprocess
@@ -91,19 +92,24 @@ _SCRIPT = textwrap.dedent("""
       raise AssertionError("ssd over a mesh was not refused")
     except ValueError as e:
       assert "decode.mesh_data=-1: method 'ssd' places the target" in str(e), e
-    # The head's teacher-forced pass: rows split over the 4 devices (a chunk of 3 rows is
-    # rounded up to 4), the values those of one device.
-    from diversed_jax.training import teacher_forced as tf_lib
-    gens = [[5, 6], [7], [1, 2, 3, 4], [8, 8], [2], [3, 4, 5], [6, 6, 6], [9]]
-    batches = []
-    for placement in (mesh_lib.Placement(), mesh_lib.Placement(mesh_lib.make_mesh())):
-      batches.append(tf_lib.teacher_forced_batch(
-          cfg, placement.params(tp), drafts.LMDraft(dcfg), placement.params(dp), prompts,
-          gens, temperature=1.0, num_new=4, chunk_rows=3, placement=placement))
-    for k, v in batches[0].items():
-      assert len(batches[1][k].sharding.device_set) == 4, (k, batches[1][k].sharding)
-      np.testing.assert_allclose(np.asarray(batches[1][k]), np.asarray(v), rtol=1e-4,
-                                 atol=1e-5)
+    # The policy record that head training reads: one sampled batch split over the
+    # devices, and greedy queues (one per device), record what one device records. (Greedy
+    # ensembles with w < 1 still accept at random, so the queues' head gives w = 1.)
+    sampled_head = lambda params, h_q, h_p: jax.nn.sigmoid(h_q[..., 0] - h_p[..., 1])
+    greedy_head = lambda params, h_q, h_p: jnp.ones_like(h_q[..., 0])
+    for batch_size, temperature, head in ((None, 1.0, sampled_head), (8, 0.0, greedy_head)):
+      outs = []
+      for mesh in (None, mesh_lib.make_mesh()):
+        d = dec.SpeculativeDecoder(dec.ModelHandle(cfg, tp), drafts.LMDraft(dcfg), dp,
+                                   weight_fn=head, head_params={}, mesh=mesh)
+        outs.append(d.generate(many, VerifyParams(method="diversed", temperature=temperature),
+                               num_draft=3, max_new_tokens=10, seed=5, eos_token_ids=(4,),
+                               batch_size=batch_size, record_policy=True))
+      assert outs[0].token_ids == outs[1].token_ids, (outs[0].token_ids, outs[1].token_ids)
+      for q, tokens in enumerate(outs[0].token_ids):
+        for one, split in zip(jax.tree.leaves(outs[0].policy), jax.tree.leaves(outs[1].policy)):
+          np.testing.assert_allclose(split[q, :len(tokens)], one[q, :len(tokens)], rtol=1e-4,
+                                     atol=1e-5)
     print("OK", mesh_lib.make_mesh().shape)
 """)
 

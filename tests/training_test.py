@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diversed_jax.distill import architectures
 from diversed_jax.models import transformer
 from diversed_jax.rl.head import EnsembleHead, init_head
 from diversed_jax.rl.losses import log_nu
@@ -21,7 +22,7 @@ from diversed_jax.training import config as config_lib
 from diversed_jax.training import head_io, toy
 from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn
 from diversed_jax.training.teacher_forced import teacher_forced_batch
-from diversed_jax.training.trainer import TIMING_KEYS, example_order
+from diversed_jax.training.trainer import TIMING_KEYS, drop_logged_after, example_order
 
 TEMPERATURE = 0.8
 
@@ -114,8 +115,32 @@ def test_teacher_forced_log_nu_matches_full_distributions():
 # ---------------------------------------------------------------- rollouts
 
 
-def test_rollout_stats_are_consistent_with_tokens_and_head():
+def _feature_draft(target):
+  """A toy feature (EAGLE-style) draft on the toy target, moved off its init: it drafts a
+  round's later positions from its own features and keeps them in its cache."""
+  config = architectures.draft_config("feature", target.config, 1, 32, 4, 2, 48)
+  draft = architectures.DistilledDraft(kind="feature", config=config, target_hidden=32,
+                                       vocab_size=target.config.vocab_size)
+  train = architectures.init_train_params(draft, jax.random.PRNGKey(1), target.params)
+  train = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(2), x.shape),
+                       train)
+  frozen = architectures.frozen_params(target.params, np.arange(target.config.vocab_size))
+  return draft, {"train": train, "frozen": frozen}
+
+
+def _committed(stats, b, values_rk, length):
+  """Row b's per-round values at its committed positions (i <= n), in token order."""
+  active = np.asarray(stats.active_rb[:, b], bool)
+  n_r = np.asarray(stats.num_accepted_rb[active, b])
+  values_rk = np.asarray(values_rk)[active, b]
+  return np.concatenate([values_rk[r, :n + 1] for r, n in enumerate(n_r)])[:length], n_r
+
+
+@pytest.mark.parametrize("draft_kind", ["independent", "feature"])
+def test_rollouts_record_the_laws_their_tokens_were_sampled_under(draft_kind):
   target, draft, draft_params = toy.toy_pair()
+  if draft_kind == "feature":
+    draft, draft_params = _feature_draft(target)
   module, params = _random_head(32, 32)
   weight_fn = head_weight_fn(kind="linear", hidden_dim=module.hidden_dim,
                              init_weight=module.init_weight, layer_norm=False)
@@ -127,24 +152,54 @@ def test_rollout_stats_are_consistent_with_tokens_and_head():
   assert len(roll.generated) == 6 and roll.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
   assert roll.prompts[1] == prompts[0]
   stats = roll.generation.stats
-  batch = teacher_forced_batch(target.config, target.params, draft, draft_params,
-                               roll.prompts, roll.generated, temperature=TEMPERATURE,
-                               num_new=10)
-  w_tf = np.asarray(module.apply(params, batch["h_q_btd"], batch["h_p_btd"]))
+  batch = roll.policy_batch(10)
+  teacher = teacher_forced_batch(target.config, target.params, draft, draft_params,
+                                 roll.prompts, roll.generated, temperature=TEMPERATURE,
+                                 num_new=10)
+  w_recorded = np.asarray(module.apply(params, batch["h_q_btd"], batch["h_p_btd"]))
+  w_teacher = np.asarray(module.apply(params, teacher["h_q_btd"], teacher["h_p_btd"]))
+  np.testing.assert_array_equal(batch["mask_bt"], 1.0)  # no EOS: 10 tokens each
+  teacher_gap = 0.0
   for b, gen in enumerate(roll.generated):
-    active = np.asarray(stats.active_rb[:, b], bool)
-    n_r = np.asarray(stats.num_accepted_rb[active, b])
+    used, n_r = _committed(stats, b, stats.weights_rbk, len(gen))
     assert min(int((n_r + 1).sum()), 10) == len(gen) == 10
     assert int((n_r[:-1] + 1).sum()) < 10  # the last round was needed
-    # The weights the loop used at committed positions, in token order, are the head's
-    # weights on the teacher-forced hidden states of the same tokens.
-    w_rk = np.asarray(stats.weights_rbk[active, b])
-    used = np.concatenate([w_rk[r, :n + 1] for r, n in enumerate(n_r)])[:len(gen)]
-    np.testing.assert_allclose(used, w_tf[b, :len(gen)], atol=2e-4)
-    assert np.all((w_rk > 0) & (w_rk < 1))
+    # The record holds the head inputs the loop weighed each committed token with.
+    np.testing.assert_allclose(w_recorded[b], used, atol=1e-5)
+    teacher_gap = max(teacher_gap, float(np.abs(w_teacher[b] - used).max()))
+  # The target's side is the same in a pass over the text.
+  np.testing.assert_allclose(batch["p_tok_bt"], teacher["p_tok_bt"], atol=2e-4)
+  np.testing.assert_allclose(batch["h_p_btd"], teacher["h_p_btd"], atol=2e-4)
+  # TV(p, q) >= |p(x) - q(x)| for every token.
+  assert np.all(batch["tv_pq_bt"] + 1e-6 >= np.abs(batch["p_tok_bt"] - batch["q_tok_bt"]))
+  if draft_kind == "independent":  # a pass over the text gives an independent draft's laws
+    for key in ("q_tok_bt", "tv_pq_bt", "h_q_btd"):
+      np.testing.assert_allclose(batch[key], teacher[key], atol=2e-4, err_msg=key)
+  else:  # but not a feature draft's, which drafted from its own features
+    assert teacher_gap > 0.05, teacher_gap
   assert 0.0 <= roll.summary["acceptance_rate"] <= 1.0
   assert roll.summary["tokens_per_round"] == pytest.approx(
       60 / np.asarray(stats.active_rb).sum())
+
+
+def test_the_record_stops_at_each_rows_end():
+  """EOS cuts rows short: the batch is zero past each row's tokens."""
+  target, draft, draft_params = toy.toy_pair()
+  module, params = _random_head(32, 32)
+  weight_fn = head_weight_fn(kind="linear", hidden_dim=module.hidden_dim,
+                             init_weight=module.init_weight, layer_norm=False)
+  sampler = RolloutSampler(target.config, target.params, draft, draft_params, weight_fn,
+                           temperature=TEMPERATURE, num_draft=3, max_new_tokens=10,
+                           eos_token_ids=(3, 5))
+  roll = sampler.sample(params, toy.toy_examples(4, seed=2), group_size=2, seed=1)
+  lengths = [len(g) for g in roll.generated]
+  assert min(lengths) < 10, lengths  # some row stopped early
+  batch = roll.policy_batch(10)
+  for b, length in enumerate(lengths):
+    assert batch["mask_bt"][b].tolist() == [1.0] * length + [0.0] * (10 - length)
+    assert np.all(batch["p_tok_bt"][b, :length] > 0)
+    for key in ("p_tok_bt", "q_tok_bt", "tv_pq_bt", "h_q_btd", "h_p_btd"):
+      assert not np.any(batch[key][b, length:]), key
 
 
 # ---------------------------------------------------------------- end to end
@@ -158,6 +213,22 @@ def _metrics(workdir):
       record = json.loads(line)
       out[record["step"]] = record
   return out
+
+
+def _logged_steps(workdir):
+  """The step of every line of metrics.jsonl, in file order."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line)["step"] for line in f]
+
+
+def test_a_resume_drops_the_lines_logged_after_its_checkpoint(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in range(1, 6))
+                  + '{"step": 6, "lo')  # killed mid-line
+  drop_logged_after(str(path), 3)
+  assert _logged_steps(str(tmp_path)) == [1, 2, 3]
+  drop_logged_after(str(path), 3)  # nothing past it: left as it is
+  assert _logged_steps(str(tmp_path)) == [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +346,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
   assert ref.returncode == 0, ref_out
 
   want, got = _metrics(ref_dir), _metrics(run_dir)
-  assert sorted(got) == sorted(want) == list(range(1, 9))
+  assert _logged_steps(run_dir) == _logged_steps(ref_dir) == list(range(1, 9))
   for step in range(1, 9):
     for key, value in want[step].items():
       if key not in TIMING_KEYS:

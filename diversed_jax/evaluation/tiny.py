@@ -84,7 +84,7 @@ def write_tiny_models(folder: str | None = None) -> str:
 def shrink_train(train) -> None:
   """A few-second head-training run (fields of training.config.default_config)."""
   sizes = dict(total_steps=2, warmup_steps=0, prompts_per_step=2, rollouts_per_prompt=2,
-               max_new_tokens=8, num_draft=2, max_prompt_tokens=1024, teacher_forced_rows=4,
+               max_new_tokens=8, num_draft=2, max_prompt_tokens=1024,
                checkpoint_every=2, log_every=1, limit=4)
   for key, value in sizes.items():
     if key in train:

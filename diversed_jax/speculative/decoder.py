@@ -22,6 +22,7 @@ from diversed_jax.models.kv_cache import bucket_length
 from diversed_jax.parallel import hosts
 from diversed_jax.parallel import mesh as mesh_lib
 from diversed_jax.speculative import loop, metrics, programs, smc, split_queue, ssd
+from diversed_jax.speculative.policy_trace import PolicyTrace
 from diversed_jax.speculative.types import VerifyParams
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -46,12 +47,13 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0,
 @dataclasses.dataclass
 class Generation:
   """Results of one batch, on the host."""
-  token_ids: list[list[int]]  # generated ids per row (EOS included when hit)
+  token_ids: list[list[int]]  # generated ids per prompt (EOS included when hit)
   rounds: int
   accepted_per_round: list[list[int]]  # per prompt, n for each round it was decoded
   stats: loop.RoundStats  # numpy arrays, [R, B, ...] trimmed to the rounds run
   seconds: float  # wall-clock of the decode call (compiled)
   compile_seconds: float
+  policy: PolicyTrace | None = None  # numpy, [Q, N, ...]: with generate's record_policy
 
   @property
   def num_tokens(self) -> int:
@@ -143,22 +145,24 @@ class SpeculativeDecoder:
     return self._placement.params((self.target_params(), self.draft_params))
 
   def _spec(self, verify: VerifyParams, num_draft: int, max_new_tokens: int,
-            eos_token_ids) -> loop.LoopSpec:
+            eos_token_ids, record_policy: bool = False) -> loop.LoopSpec:
     if verify.method != "ar" and self.draft is None:
       raise ValueError(f"method {verify.method!r} needs a draft model")
     return loop.LoopSpec(verify=verify, num_draft=0 if verify.method == "ar" else num_draft,
                          max_new_tokens=max_new_tokens,
-                         eos_token_ids=tuple(eos_token_ids))
+                         eos_token_ids=tuple(eos_token_ids), record_policy=record_policy)
 
   def generate(self, prompts: Sequence[Sequence[int]], verify: VerifyParams, *,
                num_draft: int = 4, max_new_tokens: int = 64, seed: int = 0,
                eos_token_ids: Sequence[int] | None = None, pad_id: int = 0,
-               batch_size: int | None = None) -> Generation:
+               batch_size: int | None = None, record_policy: bool = False) -> Generation:
     """Decodes `prompts` (token lists). `batch_size`: rows decoded at once; None decodes
     all prompts as one batch, a smaller value queues the rest and refills finished rows
     (continuous batching; all prompts share one length bucket). Method 'smc' decodes
     `batch_size` prompts at a time instead, each with its `verify.particles` rows;
-    method 'ssd' decodes one prompt at a time (`batch_size` is not used)."""
+    method 'ssd' decodes one prompt at a time (`batch_size` is not used).
+    `record_policy`: also return each generated token's law inputs (`policy_trace`;
+    the mixing rules only)."""
     if batch_size is not None and not 1 <= batch_size <= len(prompts):
       raise ValueError(f"batch_size={batch_size} must be in [1, {len(prompts)}] "
                        "(the number of prompts) or None")
@@ -166,7 +170,7 @@ class SpeculativeDecoder:
       batch_size = None
     if eos_token_ids is None:
       eos_token_ids = self.target.config.eos_token_ids
-    spec = self._spec(verify, num_draft, max_new_tokens, eos_token_ids)
+    spec = self._spec(verify, num_draft, max_new_tokens, eos_token_ids, record_policy)
     tokens, lengths = pad_prompts(prompts, pad_id)
     cache_len = bucket_length(tokens.shape[1] + max_new_tokens + spec.num_draft + 2)
     if verify.method == "smc":
@@ -327,5 +331,8 @@ def _generation(result: loop.DecodeResult, num_prompts: int, seconds: float,
                                                    result.num_generated_q[:num_prompts])]
   accepted = [stats.num_accepted_rb[metrics.served_mask(stats, q)].tolist()
               for q in range(num_prompts)]
+  policy = (None if result.policy is None else
+            jax.tree.map(lambda x: np.asarray(x)[:num_prompts], result.policy))
   return Generation(token_ids=token_ids, rounds=rounds, accepted_per_round=accepted,
-                    stats=stats, seconds=seconds, compile_seconds=compile_seconds)
+                    stats=stats, seconds=seconds, compile_seconds=compile_seconds,
+                    policy=policy)

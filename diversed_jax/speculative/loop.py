@@ -17,9 +17,12 @@ rows need stop paying for the finished ones (a round's cost grows with its rows)
 With K = 0 the same loop is plain autoregressive decoding (the baseline).
 
 Cache convention: after every round the target cache holds all committed tokens except
-the last one (the "pending" token x0, whose logits are not yet computed); so does the
-draft cache, up to one extra token that the first draft step rewrites harmlessly (it feeds
-the last two committed tokens, recomputing identical keys and values for the first).
+the last one (the "pending" token x0, whose logits are not yet computed). The draft cache
+is valid up to the last two committed tokens: each round's first draft call writes those
+two at their positions (with the target's features for a feature draft). That call fills
+the draft's gaps: d_K when all K drafts were accepted and the rule drafted K steps (never
+fed), and the residual token; entries the draft wrote for tokens before them stay (for a
+feature draft, computed from its own features).
 
 Shape legend: Q prompts, B rows decoded at once (B = Q without a queue), P prompt bucket,
 K drafts per round, V vocabulary, D hidden, R rounds (see `max_rounds`), N output buffer
@@ -41,6 +44,7 @@ from diversed_jax.models import products, transformer
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import KVCache
 from diversed_jax.speculative import distributions, verification
+from diversed_jax.speculative.policy_trace import PolicyTrace
 from diversed_jax.speculative.types import METHODS, VerifyParams
 
 # Rules whose bonus token comes from their own law at K+1, which needs q_{K+1}.
@@ -63,6 +67,8 @@ class LoopSpec:
   num_draft: int = 4
   max_new_tokens: int = 64
   eos_token_ids: tuple[int, ...] = ()
+  # Keep each generated token's law inputs (`policy_trace`): the head's RL reads them.
+  record_policy: bool = False
 
   def __post_init__(self):
     if self.verify.method not in METHODS:
@@ -71,8 +77,14 @@ class LoopSpec:
       raise ValueError(f"num_draft={self.num_draft} must be >= 0")
     if self.verify.method != "ar" and self.num_draft == 0:
       raise ValueError(f"method={self.verify.method!r} needs num_draft >= 1")
+    if self.verify.method == "ar" and self.num_draft:
+      raise ValueError(f"method='ar' drafts nothing: num_draft={self.num_draft} must be 0")
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+    if self.record_policy and self.verify.method not in BONUS_NEEDS_DRAFT:
+      raise ValueError(f"record_policy needs a rule that commits every token under a law "
+                       f"mixing q, one of {BONUS_NEEDS_DRAFT}; got "
+                       f"method={self.verify.method!r}")
 
   @property
   def num_draft_steps(self) -> int:
@@ -93,7 +105,8 @@ class RoundStats:
   after the tail shrinks the batch); rows inactive in a round have active_rb False."""
   active_rb: jax.Array  # bool
   prompt_rb: jax.Array  # int32, the prompt (index into the queue) a row served
-  num_accepted_rb: jax.Array  # int32, n
+  num_accepted_rb: jax.Array  # int32, n: the rule's accepts (an EOS or the length limit may
+  # then cut the committed tokens short; acceptance figures measure the rule)
   accept_prob_rbk: jax.Array  # a_i(x_i)
   beta_rbk: jax.Array  # sum_x q_i a_i, the expected acceptance (Verdict.beta_bk)
   weights_rbk: jax.Array  # w_i on the target (K+1 positions; zeros for rules without a w)
@@ -120,6 +133,7 @@ class DecodeResult:
   num_generated_q: jax.Array
   num_rounds: jax.Array  # rounds the loop ran (scalar)
   stats: RoundStats
+  policy: PolicyTrace | None = None  # with LoopSpec.record_policy
 
 
 @flax.struct.dataclass
@@ -138,6 +152,7 @@ class _State:
   num_generated_b: jax.Array
   done_b: jax.Array
   stats: RoundStats
+  policy: PolicyTrace | None = None  # with LoopSpec.record_policy
 
 
 def first_index(mask_bk: jax.Array) -> jax.Array:
@@ -253,6 +268,11 @@ def verify_and_commit(spec: LoopSpec, target_config: ModelConfig, weight_fn, tar
   write_pos = state.num_generated_b[:, None] + positions_k1
   out_qn = state.out_qn.at[rows_b1, write_pos].set(
       jnp.where(active[:, None], round_tokens, state.out_qn[rows_b1, write_pos]))
+  policy = state.policy
+  if policy is not None:
+    policy = policy.record(state.prompt_b, write_pos, active, round_tokens, draft_logits,
+                           target_logits, draft_hidden, target_hidden, vp.temperature,
+                           vp.top_p)
 
   new_count = num_accepted + 1
   if spec.eos_token_ids:
@@ -304,7 +324,7 @@ def verify_and_commit(spec: LoopSpec, target_config: ModelConfig, weight_fn, tar
       last_two_b2=last_two,
       features_b2d=features,
       out_qn=out_qn, num_generated_q=state.num_generated_q.at[state.prompt_b].set(num_generated),
-      num_generated_b=num_generated, done_b=done, stats=stats)
+      num_generated_b=num_generated, done_b=done, stats=stats, policy=policy)
 
 
 def _pass_counts(num_tokens, chunk: int) -> tuple[jax.Array, jax.Array]:
@@ -327,7 +347,8 @@ def _pass_counts(num_tokens, chunk: int) -> tuple[jax.Array, jax.Array]:
 
 def prefill(target_params, target_config: ModelConfig, draft, draft_params, prompt_bp,
              prompt_lengths_b, cache_len: int, chunk: int):
-  """Fresh caches of both models holding each prompt but its last token (the pending x0).
+  """Fresh caches of both models holding each prompt but its last token (the pending x0);
+  the draft cache's lengths are left as the passes set them (each round sets its own).
 
   The prompts go through both models `chunk` tokens at a time, as far as the longest
   prompt of the call needs: a short prompt in a wide bucket skips most of its padding
@@ -423,20 +444,24 @@ def _shrink(state: _State, width: int) -> _State:
 
 
 def start_state(spec: LoopSpec, key, target_cache, draft_cache, last_two_b2, features_b2d,
-                num_prompts: int, rounds: int) -> _State:
+                num_prompts: int, rounds: int, draft_dim: int = 0) -> _State:
   """The loop's state after `prefill` of the first B prompts (B = the rows of
-  `last_two_b2`), with room for `rounds` rounds of statistics."""
+  `last_two_b2`), with room for `rounds` rounds of statistics; `draft_dim`: the draft's
+  hidden size, for `spec.record_policy`."""
   b, k = last_two_b2.shape[0], spec.num_draft
+  positions = spec.max_new_tokens + k + 1
+  policy = (PolicyTrace.zeros(num_prompts, positions, draft_dim, features_b2d.shape[-1])
+            if spec.record_policy else None)
   return _State(
       round=jnp.zeros((), jnp.int32), key=key,
       target_cache=target_cache, draft_cache=draft_cache,
       last_two_b2=last_two_b2, features_b2d=features_b2d,
       prompt_b=jnp.arange(b, dtype=jnp.int32), slot_b=jnp.arange(b, dtype=jnp.int32),
       next_prompt=jnp.asarray(b, jnp.int32),
-      out_qn=jnp.zeros((num_prompts, spec.max_new_tokens + k + 1), jnp.int32),
+      out_qn=jnp.zeros((num_prompts, positions), jnp.int32),
       num_generated_q=jnp.zeros((num_prompts,), jnp.int32),
       num_generated_b=jnp.zeros((b,), jnp.int32), done_b=jnp.zeros((b,), bool),
-      stats=RoundStats.zeros(rounds, b, k))
+      stats=RoundStats.zeros(rounds, b, k), policy=policy)
 
 
 def default_tail_widths(batch_size: int, multiple_of: int = 1) -> tuple[int, ...]:
@@ -490,14 +515,46 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
                      "ssd.decode runs it")
   if spec.verify.method == "diversed" and weight_fn is None:
     raise ValueError("method 'diversed' needs an ensemble head (weight_fn)")
+  if spec.num_draft and draft is None:
+    raise ValueError(f"method={spec.verify.method!r} with num_draft={spec.num_draft} needs "
+                     "a draft (draft=None)")
+  # Writes past the cache's end would be dropped silently, and the tokens go wrong.
+  needed = prompt_qp.shape[1] + spec.max_new_tokens + spec.num_draft + 1
+  if cache_len < needed:
+    raise ValueError(f"cache_len={cache_len} must be >= the prompt bucket "
+                     f"{prompt_qp.shape[1]} + max_new_tokens {spec.max_new_tokens} + "
+                     f"num_draft {spec.num_draft} + 1 = {needed}")
 
+  # Greedy output must equal plain greedy decoding's bit for bit at any B and K: each row
+  # of a verification of B (K + 1) rows (and of a prefill pass of B chunks) must round as in
+  # a plain step of one row, which past 64 rows only the kernel does. Sampled calls keep
+  # XLA's dot there: at 80-128 rows on a 2-core host it ran rounds 6-23% faster, and a
+  # rounding difference changes no law.
+  greedy = spec.verify.temperature == 0
+  with products.row_independent() if greedy else contextlib.nullcontext():
+    return _prefill_and_loop(target_params, draft_params, head_params, prompt_qp,
+                             prompt_lengths_q, key, spec, target_config, draft, weight_fn,
+                             cache_len, b, prefill_chunk, tail_widths)
+
+
+def _prefill_and_loop(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q,
+                      key, spec, target_config, draft, weight_fn, cache_len, b, prefill_chunk,
+                      tail_widths) -> DecodeResult:
+  """`decode`'s program once its arguments are checked: the first B prompts' prefill,
+  then the rounds (with refills while prompts are queued), then the tail's widths."""
+  num_prompts = prompt_qp.shape[0]
   target_cache, draft_cache, last_two, features_b2d = prefill(
       target_params, target_config, draft, draft_params, prompt_qp[:b],
       prompt_lengths_q[:b], cache_len, prefill_chunk)
 
   rounds = spec.max_rounds(num_prompts, b)
+  draft_dim = 0
+  if spec.record_policy:
+    _, hidden, _ = jax.eval_shape(draft.forward, draft_params, last_two, draft_cache,
+                                  features_b2d)
+    draft_dim = hidden.shape[-1]
   state = start_state(spec, key, target_cache, draft_cache, last_two, features_b2d,
-                      num_prompts, rounds)
+                      num_prompts, rounds, draft_dim)
   params = (target_params, draft_params, head_params)
   round_fn = functools.partial(_round, spec, target_config, draft, weight_fn, params)
   if b < num_prompts:
@@ -514,16 +571,10 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     return go & ~fits
 
   next_widths = tail_widths + (None,)  # each phase runs until the next width fits
-  # Greedy output must equal plain greedy decoding's bit for bit at any B and K: each row
-  # of a verification of B (K + 1) rows must round as in a plain step of B rows, which
-  # past 64 rows only the kernel does. Sampled rounds keep XLA's dot there: at 80-128 rows
-  # on a 2-core host it ran rounds 6-23% faster, and a rounding difference changes no law.
-  greedy = spec.verify.temperature == 0
-  with products.row_independent() if greedy else contextlib.nullcontext():
-    state = jax.lax.while_loop(functools.partial(running, next_width=next_widths[0]),
-                               body, state)
-    for width, next_width in zip(tail_widths, next_widths[1:]):  # queue empty: no refill
-      state = jax.lax.while_loop(functools.partial(running, next_width=next_width),
-                                 round_fn, _shrink(state, width))
+  state = jax.lax.while_loop(functools.partial(running, next_width=next_widths[0]),
+                             body, state)
+  for width, next_width in zip(tail_widths, next_widths[1:]):  # queue empty: no refill
+    state = jax.lax.while_loop(functools.partial(running, next_width=next_width),
+                               round_fn, _shrink(state, width))
   return DecodeResult(tokens_qn=state.out_qn, num_generated_q=state.num_generated_q,
-                      num_rounds=state.round, stats=state.stats)
+                      num_rounds=state.round, stats=state.stats, policy=state.policy)

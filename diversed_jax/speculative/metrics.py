@@ -21,8 +21,9 @@ def served_mask(stats, prompt: int) -> np.ndarray:
 def summarize(stats, num_tokens: int, speculative: bool) -> dict:
   """Acceptance figures over all (row, round) pairs in which a row was active.
 
-  Returns a dict with rounds (row-rounds), accepted drafts, acceptance_rate (accepted /
-  proposed drafts), tokens_per_round, mean_accepted (drafts per round) and
+  Returns a dict with rounds (row-rounds), accepted (drafts the rule accepted, also those
+  a row's EOS or length limit then cut), acceptance_rate (accepted / proposed drafts),
+  tokens_per_round, mean_accepted (drafts per round) and
   expected_accepted_theory (the min-kernel estimator sum_n (prod_{i<n} a_i) beta_n of
   methods.md, averaged over rounds: E[accepted drafts per round] predicted from a and beta).
   Method 'smc' commits every draft (acceptance 1) and adds `ess`, the mean effective
@@ -44,11 +45,12 @@ def summarize(stats, num_tokens: int, speculative: bool) -> dict:
     out["hits"] = int(np.asarray(stats.hit_rb)[active].sum())
     out["hit_rate"] = out["hits"] / max(row_rounds - first_rounds, 1)
   if not speculative or k == 0:
-    out.update(acceptance_rate=0.0, mean_accepted=0.0, expected_accepted_theory=0.0)
+    out.update(accepted=0, acceptance_rate=0.0, mean_accepted=0.0,
+               expected_accepted_theory=0.0)
     return out
   theory = np.asarray(acceptance.path_accepted_length_beta(
       np.asarray(stats.accept_prob_rbk)[active], np.asarray(stats.beta_rbk)[active]))
-  out.update(acceptance_rate=float(n.sum() / max(row_rounds * k, 1)),
+  out.update(accepted=int(n.sum()), acceptance_rate=float(n.sum() / max(row_rounds * k, 1)),
              mean_accepted=float(n.mean()) if n.size else 0.0,
              expected_accepted_theory=float(theory.mean()) if theory.size else 0.0)
   return out

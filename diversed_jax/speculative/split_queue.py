@@ -10,7 +10,8 @@ every device's rows (columns device by device), `prompt_rb` indexes the whole qu
 round count is the largest device's, and `width_r` sums the devices' rows.
 
 Each device samples from the call's key folded with its index, so sampled calls draw
-other (equally distributed) tokens than one device would; greedy calls give the same.
+other (equally distributed) tokens than one device would; greedy calls give the same,
+except for the ensembles with w < 1, whose greedy rounds still accept at random.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from diversed_jax.parallel.mesh import DATA
 from diversed_jax.speculative import loop
+from diversed_jax.speculative.policy_trace import PolicyTrace
 
 
 def check_split(mesh: Mesh, num_prompts: int, batch_size: int) -> int:
@@ -40,8 +42,14 @@ _ROWS = P(DATA)  # leading axis over 'data'
 _STATS = loop.RoundStats(active_rb=P(None, DATA), prompt_rb=P(None, DATA),
                          num_accepted_rb=P(None, DATA), accept_prob_rbk=P(None, DATA),
                          beta_rbk=P(None, DATA), weights_rbk=P(None, DATA), width_r=_ROWS)
-_RESULT = loop.DecodeResult(tokens_qn=_ROWS, num_generated_q=_ROWS, num_rounds=_ROWS,
-                            stats=_STATS)
+
+
+def _result_specs(record_policy: bool) -> loop.DecodeResult:
+  """out_specs of the devices' results: per-prompt arrays and the round counts over
+  'data', the statistics by column."""
+  policy = PolicyTrace(*(_ROWS,) * 5) if record_policy else None
+  return loop.DecodeResult(tokens_qn=_ROWS, num_generated_q=_ROWS, num_rounds=_ROWS,
+                           stats=_STATS, policy=policy)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "spec", "target_config", "draft",
@@ -69,7 +77,7 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     return out.replace(num_rounds=out.num_rounds[None], stats=stats)
 
   out = jax.shard_map(one_device, mesh=mesh, in_specs=(P(), P(), P(), _ROWS, _ROWS, P()),
-                      out_specs=_RESULT, check_vma=False)(
+                      out_specs=_result_specs(spec.record_policy), check_vma=False)(
       target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key)
   return out.replace(num_rounds=jnp.max(out.num_rounds),
                      stats=out.stats.replace(width_r=jnp.sum(out.stats.width_r, axis=0)))

@@ -17,6 +17,7 @@ a time, the unrolled layout's dispatch added milliseconds a step).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diversed_jax.models import transformer
+from diversed_jax.models import products, transformer
 from diversed_jax.models.config import ModelConfig
 
 
@@ -65,14 +66,18 @@ class StepCosts:
                        for f in dataclasses.fields(StepCosts)))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "num_steps"), donate_argnums=(1,))
-def _run_steps(params, cache, tokens_bt, features_btd=None, *, model, num_steps: int):
+@functools.partial(jax.jit, static_argnames=("model", "num_steps", "greedy"),
+                   donate_argnums=(1,))
+def _run_steps(params, cache, tokens_bt, features_btd=None, *, model, num_steps: int,
+               greedy: bool = False):
   """`num_steps` forwards of `model` (the target's ModelConfig or a draft object) in one
   `fori_loop`, the cache updated in place and rolled back after each step, as the
   speculative loop does. One call per measurement: a jitted call's own dispatch costs
   milliseconds with the unrolled layout's hundreds of arrays, which the loop never pays per
   step. Every step's logits are reduced (max) so no part of the forward is left out.
-  `features_btd`: the target features a draft's catch-up call reads (None: own ones)."""
+  `features_btd`: the target features a draft's catch-up call reads (None: own ones).
+  `greedy`: traced in `products.row_independent()`, as the loop traces greedy calls (a
+  static argument: a program traced outside keeps its products)."""
 
   def step(_, carry):
     cache, acc = carry
@@ -84,16 +89,18 @@ def _run_steps(params, cache, tokens_bt, features_btd=None, *, model, num_steps:
                                            last_only=features_btd is not None)
     return new_cache.with_lengths(cache.lengths_b), acc + jnp.max(logits)
 
-  return jax.lax.fori_loop(0, num_steps, step, (cache, jnp.zeros((), jnp.float32)))
+  with products.row_independent() if greedy else contextlib.nullcontext():
+    return jax.lax.fori_loop(0, num_steps, step, (cache, jnp.zeros((), jnp.float32)))
 
 
 def sample_calls(decoder, batch: int, num_draft: int, cache_len: int, repeats: int = 7,
-                 steps_per_call: int = 8) -> np.ndarray:
+                 steps_per_call: int = 8, greedy: bool = False) -> np.ndarray:
   """Seconds per step of a SpeculativeDecoder's four calls (StepCosts' field order) at
   `batch` rows, caches of `cache_len` slots half full, each sample one compiled loop of
   `steps_per_call` steps; [repeats, 4]. The four calls take turns, one sample of each per
   repeat, so that all four are sampled in the same phases of the host (its speed drifts by
-  10-20% over seconds). Needs a decoder with a draft."""
+  10-20% over seconds). `greedy`: the products a greedy loop takes (row-independent past
+  64 rows, `loop.decode`). Needs a decoder with a draft."""
   if decoder.draft is None:
     raise ValueError("step_costs needs a decoder with a draft (draft=None)")
   target, draft = decoder.target, decoder.draft
@@ -114,7 +121,7 @@ def sample_calls(decoder, batch: int, num_draft: int, cache_len: int, repeats: i
     model, call_params, cache, call_tokens, call_features = call
     start = time.perf_counter()
     cache, acc = _run_steps(call_params, cache, call_tokens, call_features, model=model,
-                            num_steps=steps_per_call)
+                            num_steps=steps_per_call, greedy=greedy)
     acc.block_until_ready()
     call[2] = cache
     return (time.perf_counter() - start) / steps_per_call
@@ -127,7 +134,7 @@ def sample_calls(decoder, batch: int, num_draft: int, cache_len: int, repeats: i
 
 
 def measure(decoder, batch: int, num_draft: int, cache_len: int, repeats: int = 7,
-            steps_per_call: int = 8) -> StepCosts:
+            steps_per_call: int = 8, greedy: bool = False) -> StepCosts:
   """Each call's median over `sample_calls`' samples (at batch 8, quiet, one measurement's
   decoding samples spread over 58-76 ms, verification 142-181 ms).
 
@@ -136,5 +143,5 @@ def measure(decoder, batch: int, num_draft: int, cache_len: int, repeats: int = 
   short samples is a lucky moment of the host. (The predicted speed-up reads only the
   ratios of the four, which are within noise either way.)
   """
-  samples = sample_calls(decoder, batch, num_draft, cache_len, repeats, steps_per_call)
+  samples = sample_calls(decoder, batch, num_draft, cache_len, repeats, steps_per_call, greedy)
   return StepCosts(*np.median(samples, axis=0).tolist())

@@ -42,8 +42,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.max_new_tokens = 32  # generated tokens per rollout
   c.num_draft = 4  # K drafts per speculative round
   c.max_prompt_tokens = 1024  # prompts longer than this are skipped
-  c.teacher_forced_rows = 8  # rows per teacher-forced chunk (memory; a mesh rounds it up)
-  # Devices: each step's rows (rollouts, teacher-forced pass, updates) are split over a
+  # Devices: each step's rows (rollouts and updates) are split over a
   # 'data' mesh of mesh_data devices (-1: all, over every process; 1: one device).
   c.mesh_data = -1
   # Bookkeeping.
@@ -76,7 +75,6 @@ class HParams:
   max_new_tokens: int
   num_draft: int
   max_prompt_tokens: int
-  teacher_forced_rows: int
   mesh_data: int
   checkpoint_every: int
   keep_checkpoints: int
@@ -135,7 +133,7 @@ def validate(cfg) -> None:
     _fail("seed", cfg.seed, "must be an integer >= 0")
   positive = ("head_hidden_dim", "ppo_epochs", "total_steps", "prompts_per_step",
               "rollouts_per_prompt", "max_new_tokens", "num_draft", "max_prompt_tokens",
-              "teacher_forced_rows", "checkpoint_every", "keep_checkpoints", "log_every")
+              "checkpoint_every", "keep_checkpoints", "log_every")
   for name in positive:
     if int(cfg[name]) != cfg[name] or cfg[name] < 1:
       _fail(name, cfg[name], "must be a positive integer")

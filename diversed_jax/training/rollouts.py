@@ -3,6 +3,8 @@
 With method 'diversed' and the CURRENT head, speculative decoding samples nu_t = w_t p_t +
 (1 - w_t) q_t exactly, so rollouts cost what decoding costs. The head's parameters are an
 argument of the compiled loop (not constants), so one program serves every training step.
+The loop also records what each token's law was made of (`speculative.policy_trace`), the
+inputs of the head's loss, so no second pass over the rollouts is needed.
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ class Rollouts:
   def num_tokens(self) -> int:
     return sum(len(g) for g in self.generated)
 
+  def policy_batch(self, max_new_tokens: int) -> dict:
+    """The `rl.losses.diversed_loss` batch (numpy, [B, N] / [B, N, D], N = max_new_tokens)
+    from the loop's record: exactly the laws and head inputs the tokens were sampled
+    under, zero past each row's generated tokens."""
+    trace = self.generation.policy
+    n = max_new_tokens
+    mask_bn = (np.arange(n)[None, :] < np.asarray([len(g) for g in self.generated])[:, None])
+    mask_bn = mask_bn.astype(np.float32)
+    masked = lambda x: x[:, :n] * (mask_bn if x.ndim == 2 else mask_bn[..., None])
+    return {"h_q_btd": masked(trace.h_q_qnd), "h_p_btd": masked(trace.h_p_qnd),
+            "p_tok_bt": masked(trace.p_tok_qn), "q_tok_bt": masked(trace.q_tok_qn),
+            "tv_pq_bt": masked(trace.tv_pq_qn), "mask_bt": mask_bn}
+
 
 def mean_committed_weight(stats) -> float:
   """Mean w_t over the positions a round committed (i <= n, active rows): the weights that
@@ -78,7 +93,8 @@ class RolloutSampler:
     self.decoder.head_params = head_params
     gen = self.decoder.generate(rows, self.verify, num_draft=self.num_draft,
                                 max_new_tokens=self.max_new_tokens, seed=int(seed),
-                                eos_token_ids=self.eos_token_ids, pad_id=self.pad_id)
+                                eos_token_ids=self.eos_token_ids, pad_id=self.pad_id,
+                                record_policy=True)
     summary = metrics_lib.summarize(gen.stats, gen.num_tokens, speculative=True)
     summary.update(w_mean_committed=mean_committed_weight(gen.stats),
                    seconds=gen.seconds, compile_seconds=gen.compile_seconds,

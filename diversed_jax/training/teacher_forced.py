@@ -1,16 +1,15 @@
-"""One teacher-forced pass of both frozen models over prompt + rollout.
+"""One teacher-forced pass of both frozen models over prompt + generated text.
 
-For every generated token x_t it gives what `rl.losses.diversed_loss` consumes:
-p_t(x_t), q_t(x_t) and TV(p_t, q_t) at the rollout temperature, and the last hidden states
-h_q,t, h_p,t (post final norm) at the position that predicts x_t, which is where the
-speculative loop evaluates the head too. Nothing here depends on the head, so one pass
-serves every update on a rollout batch.
+For every generated token x_t it gives what `rl.losses.diversed_loss` reads: p_t(x_t),
+q_t(x_t) and TV(p_t, q_t) at a temperature, and the last hidden states h_q,t, h_p,t (post
+final norm) at the position that predicts x_t, where the speculative loop evaluates the
+head too. It scores a head on given text (`experiments/head_report.py`); head training
+reads the loop's own record instead (`speculative.policy_trace`).
 
 The draft is fed the target's hidden states shifted right by one (zeros at 0), the features
 the loop gives it for committed tokens. For an independent draft q_t is then exactly the law
-the loop drafted from; a feature (EAGLE-style) draft drafts positions after the first of a
-round from its own features, so for it the pass gives the first-position law (documented
-approximation).
+the loop drafted from. A feature (EAGLE-style) draft drafts a round's later positions from
+its own features and keeps them in its cache, so the loop's laws differ from this pass's.
 
 Shape legend: B rows, L prompt bucket + N, N max new tokens, V vocabulary, D hidden
 (Dq draft, Dp target).
@@ -29,7 +28,6 @@ import numpy as np
 from diversed_jax.models import transformer
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import bucket_length
-from diversed_jax.parallel.mesh import Placement
 from diversed_jax.speculative import distributions
 from diversed_jax.speculative.decoder import PROMPT_BUCKETS
 
@@ -111,22 +109,18 @@ def pack(prompts: Sequence[Sequence[int]], generated: Sequence[Sequence[int]], n
 def teacher_forced_batch(target_config: ModelConfig, target_params, draft, draft_params,
                          prompts: Sequence[Sequence[int]],
                          generated: Sequence[Sequence[int]], *, temperature: float,
-                         num_new: int, chunk_rows: int = 8, pad_id: int = 0,
-                         placement: Placement = Placement()) -> dict:
+                         num_new: int, chunk_rows: int = 8, pad_id: int = 0) -> dict:
   """`teacher_forced` over all rows in chunks of chunk_rows (bounds the [rows, L, V] draft
-  logits); returns the diversed_loss batch dict with [B, N] / [B, N, D] device arrays.
-
-  `placement`: each chunk's rows are split over its mesh (a chunk is then rounded up to a
-  multiple of the mesh's size); the parameters should already be placed replicated."""
+  logits); returns the diversed_loss batch dict with [B, N] / [B, N, D] device arrays."""
   b = len(prompts)
-  chunk = -(-min(chunk_rows, b) // placement.size) * placement.size
+  chunk = min(chunk_rows, b)
   rows = -(-b // chunk) * chunk
   tokens, plen, glen = pack(prompts, generated, num_new, pad_id, rows)
   parts = []
   for start in range(0, rows, chunk):
     sl = slice(start, start + chunk)
     parts.append(teacher_forced(
-        target_params, draft_params, *placement.rows((tokens[sl], plen[sl], glen[sl])),
+        target_params, draft_params, tokens[sl], plen[sl], glen[sl],
         target_config=target_config, draft=draft,
         temperature=float(temperature), num_new=num_new).as_batch())
   return {k: jnp.concatenate([p[k] for p in parts], 0)[:b] for k in parts[0]}

@@ -78,7 +78,7 @@ def toy_config(**overrides):
   cfg = default_config()
   cfg.update(dict(prompts_per_step=4, rollouts_per_prompt=4, max_new_tokens=8, num_draft=3,
                   total_steps=12, warmup_steps=1, learning_rate=0.05, lam=0.1,
-                  checkpoint_every=4, log_every=1, teacher_forced_rows=16))
+                  checkpoint_every=4, log_every=1))
   cfg.update(overrides)
   return cfg
 

@@ -4,17 +4,17 @@ Each step:
   1. take prompts_per_step prompts from a seeded, per-epoch shuffled stream (its position is
      checkpointed);
   2. sample G rollouts per prompt from nu with the speculative loop and the current head;
+     the loop also records, per generated token, the head inputs h_q,t, h_p,t and
+     p_t(x_t), q_t(x_t), TV(p_t, q_t) it sampled under (exact for every draft kind);
   3. rewards from the task, REINFORCE++ (or the configured) advantages per prompt group;
-  4. one teacher-forced pass of both frozen models -> p_t(x_t), q_t(x_t), TV(p_t, q_t),
-     h_q,t, h_p,t;
-  5. ppo_epochs jitted optax updates of rl.losses.diversed_loss (clipped ratio when > 1).
+  4. ppo_epochs jitted optax updates of rl.losses.diversed_loss (clipped ratio when > 1).
 Metrics go to `progress` (stdout by default), TensorBoard (workdir/tb) and
 workdir/metrics.jsonl; orbax checkpoints go to workdir/checkpoints and a restart resumes from
 the latest one with the same subsequent metrics; the trained head is written to
 workdir/head (see head_io).
 
 Several devices (train.mesh_data): each step's rows are split over a 'data' mesh, the head
-and both models replicated; rollouts, the teacher-forced pass and the updates run SPMD and
+and both models replicated; rollouts and the updates run SPMD and
 the loss and gradients are all-reduced by jit, so the run matches a one-device run. Several
 processes (parallel/hosts.py): each runs the same steps; process 0 alone scores the
 rollouts (its rewards are broadcast), keeps the checkpoints (its restored state is
@@ -45,10 +45,12 @@ from diversed_jax.training import head_io
 from diversed_jax.training.checkpoint import Checkpointer
 from diversed_jax.training.config import HParams
 from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn
-from diversed_jax.training.teacher_forced import teacher_forced, teacher_forced_batch
+from diversed_jax.training.teacher_forced import teacher_forced
 
 # Metrics that measure wall-clock time: the only ones that differ between identical runs.
 TIMING_KEYS = ("tokens_per_s", "rollout_seconds", "step_seconds", "compile_seconds")
+# PPO's ratio diagnostics (rl.losses): logged from the last epoch, see ppo_update.
+PPO_RATIO_KEYS = ("ratio_mean", "ratio_max", "ratio_min", "clip_frac", "approx_kl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,16 +115,60 @@ def _scalar(x) -> float:
   return float(np.asarray(x))
 
 
+def ppo_update(train_step, params, opt_state, batch, epochs: int):
+  """`epochs` train_step updates on one batch -> (params, opt_state, metrics).
+
+  metrics: the first epoch's (the loss of the head that sampled the rollouts), except the
+  ratio diagnostics, taken from the last epoch as last_epoch_<name>: the first epoch's head
+  is the one that computed old_logp_bt, so its ratio is always 1 and its KL 0.
+  """
+  first = last = None
+  for _ in range(epochs):
+    params, opt_state, last = train_step(params, opt_state, batch)
+    first = last if first is None else first
+  metrics = {k: v for k, v in first.items() if k not in PPO_RATIO_KEYS}
+  metrics.update({f"last_epoch_{k}": last[k] for k in PPO_RATIO_KEYS if k in last})
+  return params, opt_state, metrics
+
+
+def drop_logged_after(path: str, step: int) -> None:
+  """Rewrites the JSON-lines log `path` without the lines past `step` (and any torn line):
+  a resumed run logs again the steps its killed predecessor took after the checkpoint."""
+  if not os.path.isfile(path):
+    return
+  with open(path) as f:
+    lines = [line for line in f if line.strip()]
+  kept = [line for line in lines if _logged_step(line) <= step]
+  if len(kept) == len(lines):
+    return
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+  os.replace(tmp, path)
+
+
+def _logged_step(line: str) -> float:
+  """The step of a metrics.jsonl line; inf for a line a kill tore."""
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return math.inf
+
+
 class _Logger:
   """stdout progress, TensorBoard scalars and a JSON-lines file, once per log interval;
-  `files=False` (a multi-host job's other processes): progress only."""
+  `files=False` (a multi-host job's other processes): progress only. Both files continue
+  from `step`, the restored one: what a killed run logged after it is dropped."""
 
-  def __init__(self, workdir: str, progress: Callable[[str], Any] | None, files: bool = True):
+  def __init__(self, workdir: str, progress: Callable[[str], Any] | None, files: bool = True,
+               step: int = 0):
     self.writer = self.jsonl = None
     if files:
       from tensorboardX import SummaryWriter
-      self.writer = SummaryWriter(os.path.join(workdir, "tb"))
-      self.jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+      self.writer = SummaryWriter(os.path.join(workdir, "tb"), purge_step=step + 1)
+      path = os.path.join(workdir, "metrics.jsonl")
+      drop_logged_after(path, step)
+      self.jsonl = open(path, "a")
     self.progress = progress or (lambda line: None)
 
   def log(self, step: int, total: int, m: dict) -> None:
@@ -206,7 +252,6 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
     progress(f"resumed from {workdir}/checkpoints at step {step} (data position {data_pos})")
   params, opt_state = placement.params((state["params"], state["opt_state"]))
   key = jnp.asarray(state["key"])
-  tf_target_params, tf_draft_params = placement.params((target_params, draft_params))
 
   clip = hp.clip_eps if hp.ppo_epochs > 1 else None
   train_step = jax.jit(make_train_step(module.apply, optimizer, hp.lam, clip))
@@ -218,7 +263,7 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
       head_weight_fn(**head_io.module_fields(module)), temperature=hp.temperature,
       num_draft=hp.num_draft, max_new_tokens=hp.max_new_tokens, eos_token_ids=eos_token_ids,
       pad_id=target_config.pad_token_id, mesh=mesh)
-  logger = _Logger(workdir, progress, files=writer)
+  logger = _Logger(workdir, progress, files=writer, step=step)
   last = {}
   try:
     while step < hp.total_steps:
@@ -236,24 +281,18 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
                    if writer else np.zeros((len(row_examples),), np.float32))
       rewards_b = hosts.broadcast(rewards_b)
 
-      batch = teacher_forced_batch(
-          target_config, tf_target_params, draft, tf_draft_params, roll.prompts,
-          roll.generated, temperature=hp.temperature, num_new=hp.max_new_tokens,
-          chunk_rows=hp.teacher_forced_rows, pad_id=target_config.pad_token_id,
-          placement=placement)
+      batch = placement.rows(roll.policy_batch(hp.max_new_tokens))
       batch["advantages_b"] = placement.rows(np.asarray(
           advantage_fn(jnp.asarray(rewards_b), jnp.asarray(roll.group_ids))))
       if hp.ppo_epochs > 1:
         batch["old_logp_bt"] = old_logp_fn(params, batch)
-      first = None
-      for _ in range(hp.ppo_epochs):
-        params, opt_state, m = train_step(params, opt_state, batch)
-        first = m if first is None else first
+      params, opt_state, metrics = ppo_update(train_step, params, opt_state, batch,
+                                              hp.ppo_epochs)
       step += 1
 
       if step % hp.log_every == 0 or step == hp.total_steps:
         s = roll.summary
-        last = {k: _scalar(v) for k, v in hosts.fetch(first).items()}
+        last = {k: _scalar(v) for k, v in hosts.fetch(metrics).items()}
         last.update(
             reward=float(rewards_b.mean()), reward_std=float(rewards_b.std()),
             acceptance_rate=float(s["acceptance_rate"]),
