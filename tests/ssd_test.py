@@ -81,28 +81,33 @@ def test_a_budget_keeps_the_outcomes_the_draft_finds_likeliest(temperature):
   assert want[0][0] == 1  # the likeliest comes after d_1: not the a-major order
 
 
-@pytest.mark.parametrize("budget", [0, 5])
-def test_each_guessed_outcome_is_drafted_as_fresh_drafting_would(models, budget):
-  """Every candidate row g, accepting a drafts then token t, must hold the draft's laws
-  after the prefix that outcome commits, prompt + d_1..d_a + t: its K + 1 laws against one
-  plain forward of the draft over prompt + d_1..d_a + t + the row's own drafts."""
+def _first_round_drafts(models, spec):
+  """The state after PROMPT's prefill and the first round's drafts (`ssd._draft`'s output)."""
   target_config, target_params, draft, draft_params = models
-  k, fanout = 3, 2
-  spec = loop.LoopSpec(verify=VerifyParams(method="ssd", fanout=fanout, guess_budget=budget),
-                       num_draft=k, max_new_tokens=8)
   prompt = jnp.asarray([PROMPT + [0] * 4], jnp.int32)
   state, draft_cache = ssd._start(target_params, draft_params, prompt, jnp.asarray([4]),
                                   spec=spec, target_config=target_config, draft=draft,
                                   cache_len=32, prefill_chunk=loop.PREFILL_CHUNK)
   inputs = (state.target_cache.lengths_b, state.last_two_b2, state.features_b2d)
-  drafts_1k, logits, hidden, draft_cache = ssd._draft(draft_params, draft_cache, *inputs,
-                                                      jax.random.PRNGKey(1), spec=spec,
-                                                      draft=draft)
+  return state, ssd._draft(draft_params, draft_cache, *inputs, jax.random.PRNGKey(1),
+                           spec=spec, draft=draft)
+
+
+@pytest.mark.parametrize("budget", [0, 5])
+def test_each_guessed_outcome_is_drafted_as_fresh_drafting_would(models, budget):
+  """Every candidate row g, accepting a drafts then token t, must hold the draft's laws
+  after the prefix that outcome commits, prompt + d_1..d_a + t: its K + 1 laws against one
+  plain forward of the draft over prompt + d_1..d_a + t + the row's own drafts."""
+  _, _, draft, draft_params = models
+  k, fanout = 3, 2
+  spec = loop.LoopSpec(verify=VerifyParams(method="ssd", fanout=fanout, guess_budget=budget),
+                       num_draft=k, max_new_tokens=8)
+  state, (drafts_1k, logits, hidden, draft_cache) = _first_round_drafts(models, spec)
   assert logits.shape[1] == k + 1  # q_{K+1} too, for the a = K guesses
   outcomes = ssd._guess(drafts_1k, logits, fanout=fanout, budget=budget, temperature=1.0)
   cand_drafts, cand_logits, _, _ = ssd._speculate(
-      draft_params, draft_cache, drafts_1k, hidden, outcomes, *inputs, jax.random.PRNGKey(2),
-      spec=spec, draft=draft)
+      draft_params, draft_cache, drafts_1k, hidden, outcomes, state.target_cache.lengths_b,
+      state.last_two_b2, state.features_b2d, jax.random.PRNGKey(2), spec=spec, draft=draft)
   assert cand_drafts.shape == (budget or (k + 1) * fanout, k)
   d = np.asarray(drafts_1k)[0].tolist()
   accepted, bonus = (np.asarray(x).tolist() for x in outcomes)
@@ -144,13 +149,7 @@ def test_verification_accepts_by_the_saguaro_law(models):
   spec = loop.LoopSpec(verify=VerifyParams(method="ssd", temperature=temperature,
                                            fanout=fanout, saguaro_scale=scale),
                        num_draft=k, max_new_tokens=8)
-  prompt = jnp.asarray([PROMPT + [0] * 4], jnp.int32)
-  state, draft_cache = ssd._start(target_params, draft_params, prompt, jnp.asarray([4]),
-                                  spec=spec, target_config=target_config, draft=draft,
-                                  cache_len=32, prefill_chunk=loop.PREFILL_CHUNK)
-  inputs = (state.target_cache.lengths_b, state.last_two_b2, state.features_b2d)
-  drafts_1k, logits, _, _ = ssd._draft(draft_params, draft_cache, *inputs,
-                                       jax.random.PRNGKey(1), spec=spec, draft=draft)
+  state, (drafts_1k, logits, _, _) = _first_round_drafts(models, spec)
   state, _ = ssd._verify(target_params, state, drafts_1k, logits, jax.random.PRNGKey(2),
                          spec=spec, target_config=target_config)
   got = np.asarray(state.stats.accept_prob_rbk)[0, 0]
