@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -387,3 +388,15 @@ def test_typical_thresholds_are_in_typical_settings_only():
     assert low[name] == high[name]
   assert (low["typical"].typical_delta, high["typical"].typical_delta) == (0.09, 0.2)
   assert high["typical"].typical_epsilon == 0.3
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"seed": -5}, "seed=-5: must be >= 0"),
+    ({"methods.static_weights": (0.5, 0.5)}, "methods.static_weights=(0.5, 0.5): repeats a"),
+    ({"mode": "train_and_eval", "task.split": "train"},
+     "train.split='train': the head would train on the evaluated examples"),
+])
+def test_bad_seeds_repeated_settings_and_training_on_the_evaluated_split_are_refused(
+    overrides, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    validate(_load("gsm8k", **overrides))

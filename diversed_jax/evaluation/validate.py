@@ -76,6 +76,8 @@ def _check_grid(field, values, low, high, low_open, integer=False):
     values = (values,)
   if not values:
     _fail(field, tuple(values), "needs at least one value for the selected method")
+  if len(set(values)) != len(values):
+    _fail(field, tuple(values), "repeats a value (one setting, run and reported twice)")
   for v in values:
     try:
       _check_number(field, v, low, high, low_open, integer)
@@ -196,6 +198,7 @@ def validate(config) -> None:
   """Raises ValueError naming the first bad field and its value; loads nothing."""
   if config.mode not in MODES:
     _fail("mode", config.mode, f"must be one of {list(MODES)}")
+  _check_number("seed", config.seed, 0, integer=True)
   check_model("model.target", config.model.target)
   if config.model.draft:
     check_model("model.draft", config.model.draft, allow_self=True)
@@ -255,5 +258,10 @@ def validate(config) -> None:
             f"no shipped {train_task} sample has that split (shipped: "
             f"{list(SHIPPED_SPLITS[train_task])}); set train.source, or train.task to "
             "another task (a head trained on one task can be evaluated on another)")
+    t = config.task
+    if (train_task, source or "", config.train.split) == (t.name, t.source or "", t.split):
+      _fail("train.split", config.train.split, f"the head would train on the evaluated "
+            f"examples (task.split={t.split!r} of the same {t.name} data); train on another "
+            "split")
   from diversed_jax.training import config as train_config
   train_config.validate(config.train)
