@@ -394,3 +394,18 @@ def test_fingerprint_follows_the_call_layout_and_only_its_own_rule_fields():
   moved = fingerprints(**{"methods.run": "sd,ssd", "methods.ssd_guess_budget": 4})
   assert moved["sd"] == ssd_base["sd"]
   assert moved["ssd(f=2,b=4,c=1)"] != ssd_base["ssd(f=2,c=1)"]
+
+
+def test_a_raised_scoring_version_changes_the_tasks_fingerprints(monkeypatch):
+  """Results scored by an older answer extraction are decoded and scored again."""
+  from diversed_jax.tasks import registry
+  models = _fake_models()
+  config = _gsm8k_config(**{"methods.run": "ar,sd"})
+  fingerprints = lambda: {s.name: evaluate.setting_fingerprint(config, s, models)
+                          for s in methods.expand(config)}
+  before = fingerprints()
+  gsm8k = registry.get_task("gsm8k")
+  monkeypatch.setitem(registry._TASKS, "gsm8k",
+                      dataclasses.replace(gsm8k, scoring_version=gsm8k.scoring_version + 1))
+  after = fingerprints()
+  assert all(after[name] != before[name] for name in before)

@@ -28,6 +28,7 @@ from diversed_jax.evaluation import context as context_lib
 from diversed_jax.evaluation import methods as methods_lib
 from diversed_jax.evaluation.results import ResultStore, fingerprint
 from diversed_jax.speculative import build, metrics
+from diversed_jax.tasks.registry import get_task
 
 # Rules whose emitted law blends target and draft with a weight w_t on the target
 # (cascade defers instead: it has no w, so its records carry no weight).
@@ -69,12 +70,15 @@ def setting_fingerprint(config, setting, models) -> str:
   # are decoded again once rather than mixed with new ones.
   precision = (() if config.decode.matmul_precision == "highest"
                else (config.decode.matmul_precision,))
+  # Likewise a task's scoring version, once raised: what it scored before is redone.
+  scoring = get_task(task.name).scoring_version
+  scoring = (("scoring", scoring),) if scoring else ()
   return fingerprint(setting.name, verify_fields(setting.verify), draft, head, digests,
                      config.model.target, config.model.tokenizer, config.model.chat,
                      config.decode.num_draft, config.decode.max_new_tokens, config.seed,
                      task.name, task.source, task.split, task.num_shots,
                      task.max_prompt_tokens, context_lib.field_overrides(task.fields),
-                     *precision, call_layout(config.decode))
+                     *precision, call_layout(config.decode), *scoring)
 
 
 def call_layout(decode) -> dict:

@@ -18,12 +18,16 @@ class Task:
   metric: the quality metric, the mean reward: 'accuracy', 'rouge2' or 'pass@1'.
   max_source_words: article truncation in the prompt (summarization), else None.
   eval_split: the split evaluated by default.
+  scoring_version: raised whenever the reward of a completion changes (e.g. the answer
+    extraction), so that stored results scored before are not reused (the main job's
+    fingerprint reads it).
   """
   name: str
   fields: Mapping[str, str]
   metric: str
   max_source_words: int | None = None
   eval_split: str = "test"
+  scoring_version: int = 0
 
   def load(self, source: str | None = None, split: str | None = None,
            limit: int | None = None, fields: Mapping[str, str] | None = None) -> list[Example]:
@@ -68,7 +72,9 @@ class Task:
 
 # Generation budgets and data sources are the configs' (decode.max_new_tokens, task.source).
 _TASKS = {
-    "gsm8k": Task("gsm8k", datasets.default_fields("gsm8k"), metric="accuracy"),
+    # Version 1 (session 51): the last statement of the answer, before any new question.
+    "gsm8k": Task("gsm8k", datasets.default_fields("gsm8k"), metric="accuracy",
+                  scoring_version=1),
     # ~400 words keep a CNN/DM or XSum prompt near 600 tokens: most of the lead, which is
     # where the reference summaries come from, at a prefill cost a CPU run can afford.
     "cnndm": Task("cnndm", datasets.default_fields("cnndm"), metric="rouge2",
