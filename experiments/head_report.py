@@ -51,8 +51,7 @@ def main(argv):
   from diversed_jax.tasks.registry import get_task
   from diversed_jax.tokenizer import load_tokenizer
   from diversed_jax.training import head_io
-  from diversed_jax.training.rollouts import mean_committed_weight
-  from diversed_jax.training.teacher_forced import teacher_forced_batch
+  from diversed_jax.training.rollouts import mean_committed_weight, policy_batch
 
   target = loading.load_model(_TARGET.value)
   draft, draft_params, draft_spec = build.load_draft(_DRAFT.value, target)
@@ -85,28 +84,27 @@ def main(argv):
         verify = VerifyParams(method=method, temperature=_TEMPERATURE.value,
                               weight=arg if arg is not None else 1.0)
       dec = SpeculativeDecoder(handle, draft, draft_params, weight_fn, head_params)
+      # The ensembles' record: the head inputs and TV(p, q) each token was committed under.
+      ensemble = method != "sd"
       gen = dec.generate(prompts, verify, num_draft=_NUM_DRAFT.value,
-                         max_new_tokens=_MAX_NEW.value, seed=_SEED.value)
+                         max_new_tokens=_MAX_NEW.value, seed=_SEED.value,
+                         record_policy=ensemble)
       summary = metrics_lib.summarize(gen.stats, gen.num_tokens, speculative=True)
       texts = [tokenizer.decode(t, skip_special_tokens=True) for t in gen.token_ids]
       quality = task.quality(texts, examples)
-      # Bias along the path: TV(nu_t, p_t) = (1 - w_t) TV(p_t, q_t).
-      batch = teacher_forced_batch(target.config, target.params, draft, draft_params,
-                                   prompts, gen.token_ids, temperature=_TEMPERATURE.value,
-                                   num_new=_MAX_NEW.value, chunk_rows=2)
-      mask = np.asarray(batch["mask_bt"])
-      tv = np.asarray(batch["tv_pq_bt"])
-      if method == "diversed":
-        w = np.asarray(weight_fn(head_params, batch["h_q_btd"], batch["h_p_btd"]))
-      else:
-        w = np.full_like(tv, 1.0 if method == "sd" else arg)
-      bias = float(((1 - w) * tv * mask).sum() / mask.sum())
+      # Bias along the path: TV(nu_t, p_t) = (1 - w_t) TV(p_t, q_t); exact SD has none.
+      bias = 0.0
+      if ensemble:
+        batch = policy_batch(gen, _MAX_NEW.value)
+        mask, tv = batch["mask_bt"], batch["tv_pq_bt"]
+        w = (np.asarray(weight_fn(head_params, batch["h_q_btd"], batch["h_p_btd"]))
+             if method == "diversed" else arg)
+        bias = float(((1 - w) * tv * mask).sum() / mask.sum())
       w_mean = (mean_committed_weight(gen.stats) if method == "diversed"
                 else (1.0 if method == "sd" else arg))
       rows.append(dict(task=task_name, method=label, acceptance=summary["acceptance_rate"],
                        tokens_per_round=summary["tokens_per_round"], quality=quality,
-                       metric=task.metric, w_mean=w_mean, bias=bias,
-                       tv_pq=float((tv * mask).sum() / mask.sum())))
+                       metric=task.metric, w_mean=w_mean, bias=bias))
       r = rows[-1]
       print(f"  {task_name:6s} {label:28s} acc {r['acceptance']:.3f} tok/round "
             f"{r['tokens_per_round']:.2f} {task.metric} {quality:.4f} w {w_mean:.3f} "

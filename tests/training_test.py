@@ -20,8 +20,8 @@ from diversed_jax.rl.losses import log_nu
 from diversed_jax.speculative import build
 from diversed_jax.training import config as config_lib
 from diversed_jax.training import head_io, toy
-from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn
-from diversed_jax.training.teacher_forced import teacher_forced_batch
+from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn, policy_batch
+from tests.teacher_forced import teacher_forced_batch
 from diversed_jax.training.trainer import TIMING_KEYS, drop_logged_after, example_order
 
 TEMPERATURE = 0.8
@@ -152,7 +152,7 @@ def test_rollouts_record_the_laws_their_tokens_were_sampled_under(draft_kind):
   assert len(roll.generated) == 6 and roll.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
   assert roll.prompts[1] == prompts[0]
   stats = roll.generation.stats
-  batch = roll.policy_batch(10)
+  batch = policy_batch(roll.generation, 10)
   teacher = teacher_forced_batch(target.config, target.params, draft, draft_params,
                                  roll.prompts, roll.generated, temperature=TEMPERATURE,
                                  num_new=10)
@@ -194,7 +194,7 @@ def test_the_record_stops_at_each_rows_end():
   roll = sampler.sample(params, toy.toy_examples(4, seed=2), group_size=2, seed=1)
   lengths = [len(g) for g in roll.generated]
   assert min(lengths) < 10, lengths  # some row stopped early
-  batch = roll.policy_batch(10)
+  batch = policy_batch(roll.generation, 10)
   for b, length in enumerate(lengths):
     assert batch["mask_bt"][b].tolist() == [1.0] * length + [0.0] * (10 - length)
     assert np.all(batch["p_tok_bt"][b, :length] > 0)

@@ -46,18 +46,21 @@ class Rollouts:
   def num_tokens(self) -> int:
     return sum(len(g) for g in self.generated)
 
-  def policy_batch(self, max_new_tokens: int) -> dict:
-    """The `rl.losses.diversed_loss` batch (numpy, [B, N] / [B, N, D], N = max_new_tokens)
-    from the loop's record: exactly the laws and head inputs the tokens were sampled
-    under, zero past each row's generated tokens."""
-    trace = self.generation.policy
-    n = max_new_tokens
-    mask_bn = (np.arange(n)[None, :] < np.asarray([len(g) for g in self.generated])[:, None])
-    mask_bn = mask_bn.astype(np.float32)
-    masked = lambda x: x[:, :n] * (mask_bn if x.ndim == 2 else mask_bn[..., None])
-    return {"h_q_btd": masked(trace.h_q_qnd), "h_p_btd": masked(trace.h_p_qnd),
-            "p_tok_bt": masked(trace.p_tok_qn), "q_tok_bt": masked(trace.q_tok_qn),
-            "tv_pq_bt": masked(trace.tv_pq_qn), "mask_bt": mask_bn}
+
+def policy_batch(generation: Generation, max_new_tokens: int) -> dict:
+  """The `rl.losses.diversed_loss` batch (numpy, [B, N] / [B, N, D], N = max_new_tokens)
+  from a generation's policy record (`generate(..., record_policy=True)`): exactly the
+  laws and head inputs its tokens were sampled under, zero past each row's tokens."""
+  trace = generation.policy
+  if trace is None:
+    raise ValueError("the generation has no policy record: generate with record_policy=True")
+  n = max_new_tokens
+  lengths_b = np.asarray([len(t) for t in generation.token_ids])
+  mask_bn = (np.arange(n)[None, :] < lengths_b[:, None]).astype(np.float32)
+  masked = lambda x: x[:, :n] * (mask_bn if x.ndim == 2 else mask_bn[..., None])
+  return {"h_q_btd": masked(trace.h_q_qnd), "h_p_btd": masked(trace.h_p_qnd),
+          "p_tok_bt": masked(trace.p_tok_qn), "q_tok_bt": masked(trace.q_tok_qn),
+          "tv_pq_bt": masked(trace.tv_pq_qn), "mask_bt": mask_bn}
 
 
 def mean_committed_weight(stats) -> float:

@@ -44,8 +44,7 @@ from diversed_jax.rl.optim import make_optimizer, make_train_step
 from diversed_jax.training import head_io
 from diversed_jax.training.checkpoint import Checkpointer
 from diversed_jax.training.config import HParams
-from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn
-from diversed_jax.training.teacher_forced import teacher_forced
+from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn, policy_batch
 
 # Metrics that measure wall-clock time: the only ones that differ between identical runs.
 TIMING_KEYS = ("tokens_per_s", "rollout_seconds", "step_seconds", "compile_seconds")
@@ -93,13 +92,14 @@ def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def hidden_sizes(target_config, target_params, draft, draft_params) -> tuple[int, int]:
-  """(Dq, Dp), the head's input sizes, from an abstract teacher-forced pass."""
-  z = jnp.zeros((1, 2), jnp.int32)
-  out = jax.eval_shape(functools.partial(
-      teacher_forced, target_config=target_config, draft=draft, temperature=1.0, num_new=1),
-      target_params, draft_params, z, jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32))
-  return int(out.h_q_btd.shape[-1]), int(out.h_p_btd.shape[-1])
+def hidden_sizes(target_config, draft, draft_params) -> tuple[int, int]:
+  """(Dq, Dp), the head's input sizes: the draft's last hidden size (from an abstract
+  forward) and the target's."""
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  features = jnp.zeros((1, 2, target_config.hidden_size), jnp.float32)
+  _, hidden, _ = jax.eval_shape(
+      lambda p: draft.forward(p, tokens, draft.init_cache(p, 1, 2), features), draft_params)
+  return int(hidden.shape[-1]), target_config.hidden_size
 
 
 def _last_logged(workdir: str) -> dict:
@@ -229,7 +229,7 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
 
   module = EnsembleHead(kind=hp.head_kind, hidden_dim=hp.head_hidden_dim,
                         init_weight=hp.init_weight, layer_norm=hp.head_layer_norm)
-  dq, dp = hidden_sizes(target_config, target_params, draft, draft_params)
+  dq, dp = hidden_sizes(target_config, draft, draft_params)
   key, init_key = jax.random.split(jax.random.PRNGKey(hp.seed))
   params = init_head(module, init_key, dq, dp)
   # optax counts updates, and each rollout step makes ppo_epochs of them: a schedule in
@@ -281,7 +281,7 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
                    if writer else np.zeros((len(row_examples),), np.float32))
       rewards_b = hosts.broadcast(rewards_b)
 
-      batch = placement.rows(roll.policy_batch(hp.max_new_tokens))
+      batch = placement.rows(policy_batch(roll.generation, hp.max_new_tokens))
       batch["advantages_b"] = placement.rows(np.asarray(
           advantage_fn(jnp.asarray(rewards_b), jnp.asarray(roll.group_ids))))
       if hp.ppo_epochs > 1:

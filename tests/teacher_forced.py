@@ -1,10 +1,11 @@
-"""One teacher-forced pass of both frozen models over prompt + generated text.
+"""A reference for the loop's policy record: one teacher-forced pass of both frozen models
+over prompt + generated text.
 
 For every generated token x_t it gives what `rl.losses.diversed_loss` reads: p_t(x_t),
 q_t(x_t) and TV(p_t, q_t) at a temperature, and the last hidden states h_q,t, h_p,t (post
 final norm) at the position that predicts x_t, where the speculative loop evaluates the
-head too. It scores a head on given text (`experiments/head_report.py`); head training
-reads the loop's own record instead (`speculative.policy_trace`).
+head too. (Head training read this pass until session 51; it now reads the loop's own
+record, `speculative.policy_trace`, which this pass reproduces for independent drafts.)
 
 The draft is fed the target's hidden states shifted right by one (zeros at 0), the features
 the loop gives it for committed tokens. For an independent draft q_t is then exactly the law
