@@ -235,6 +235,10 @@ def test_bad_decode_arguments_are_refused(pair, num_draft, with_draft, cache_len
 
 
 def test_bad_loop_specs_are_refused():
+  # EOS ids given as a list still make a hashable spec (a jit static argument).
+  listed = loop.LoopSpec(verify=VerifyParams(method="sd"), num_draft=2, eos_token_ids=[3, 4])
+  assert hash(listed) == hash(loop.LoopSpec(verify=VerifyParams(method="sd"), num_draft=2,
+                                            eos_token_ids=(3, 4)))
   with pytest.raises(ValueError, match=re.escape("method='ar' drafts nothing: num_draft=3")):
     loop.LoopSpec(verify=VerifyParams(method="ar"), num_draft=3)
   with pytest.raises(ValueError, match="record_policy needs a rule .* method='sd'"):
@@ -262,6 +266,18 @@ def test_default_tail_widths_halve_down_to_whole_shards():
   assert loop.default_tail_widths(1) == ()
   assert loop.default_tail_widths(8, multiple_of=2) == (4, 2)
   assert loop.default_tail_widths(6, multiple_of=2) == ()
+
+
+@pytest.mark.parametrize("prompts,message", [
+    ([], "no prompts to decode"),
+    ([[1, 2], [3]], "prompt 1 has 1 (1 of 2 too short)"),
+    ([[1, 2], [3, VOCAB]], f"prompt 1 has token id {VOCAB} outside the vocabulary [0, {VOCAB})"),
+])
+def test_bad_prompts_are_refused_before_decoding(pair, prompts, message):
+  target, draft, draft_params = pair
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    dec.generate(prompts, VerifyParams(method="sd"))
 
 
 def test_continuous_batching_rejects_a_bad_batch_size(pair):

@@ -34,14 +34,29 @@ MATMUL_PRECISIONS = ("highest", "high", "default", "float32", "tensorfloat32", "
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0,
                 buckets: Sequence[int] = PROMPT_BUCKETS) -> tuple[np.ndarray, np.ndarray]:
   """Right-pads token lists to a shared bucket length: (tokens [B, P], lengths [B])."""
+  if not len(prompts):
+    raise ValueError("no prompts to decode")
   lengths = np.asarray([len(p) for p in prompts], np.int32)
-  if lengths.min(initial=2) < 2:
-    raise ValueError(f"every prompt needs >= 2 tokens, got lengths {lengths.tolist()}")
+  short = np.flatnonzero(lengths < 2)
+  if short.size:
+    raise ValueError(f"every prompt needs >= 2 tokens: prompt {short[0]} has "
+                     f"{lengths[short[0]]} ({short.size} of {len(prompts)} too short)")
   width = bucket_length(int(lengths.max()), tuple(buckets))
   tokens = np.full((len(prompts), width), pad_id, np.int32)
   for row, prompt in enumerate(prompts):
     tokens[row, :len(prompt)] = prompt
   return tokens, lengths
+
+
+def _check_token_ids(tokens_qp: np.ndarray, lengths_q: np.ndarray, vocab_size: int) -> None:
+  """ValueError naming the first prompt with an id outside [0, vocab_size) (padding
+  aside): the embedding lookup would clamp it silently."""
+  in_prompt = np.arange(tokens_qp.shape[1])[None, :] < lengths_q[:, None]
+  bad_qp = in_prompt & ((tokens_qp < 0) | (tokens_qp >= vocab_size))
+  if bad_qp.any():
+    row = int(np.argmax(bad_qp.any(axis=1)))
+    raise ValueError(f"prompt {row} has token id {tokens_qp[row][bad_qp[row]][0]} outside "
+                     f"the vocabulary [0, {vocab_size})")
 
 
 @dataclasses.dataclass
@@ -172,6 +187,7 @@ class SpeculativeDecoder:
       eos_token_ids = self.target.config.eos_token_ids
     spec = self._spec(verify, num_draft, max_new_tokens, eos_token_ids, record_policy)
     tokens, lengths = pad_prompts(prompts, pad_id)
+    _check_token_ids(tokens, lengths, self.target.config.vocab_size)
     cache_len = bucket_length(tokens.shape[1] + max_new_tokens + spec.num_draft + 2)
     if verify.method == "smc":
       return self._generate_smc(spec, tokens, lengths, cache_len, seed, batch_size)

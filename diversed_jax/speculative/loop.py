@@ -71,6 +71,8 @@ class LoopSpec:
   record_policy: bool = False
 
   def __post_init__(self):
+    # A tuple, so that the spec stays hashable (a jit static argument) when given a list.
+    object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
     if self.verify.method not in METHODS:
       raise ValueError(f"method={self.verify.method!r} is not one of {METHODS}")
     if self.num_draft < 0:
@@ -484,7 +486,9 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
   """Prefills both models and runs the speculative loop; everything in one program.
 
   Args:
+    head_params: the ensemble head's parameters (`weight_fn`'s first argument), or None.
     prompt_qp: right-padded prompts [Q, P] (P a bucket length), prompt_lengths_q >= 2.
+    key: the call's PRNG key (each round splits its own from it).
     draft: a draft object (see drafts.py) or None for autoregressive decoding.
     weight_fn: the ensemble head for method 'diversed'.
     cache_len: static cache slots, >= P + max_new_tokens + K + 1.
