@@ -272,9 +272,10 @@ def test_registry():
   for name in TASK_NAMES:
     assert get_task(name).fields
   # Budgets and sources are the configs' (decode.max_new_tokens, task.source): a Task
-  # carries only what its methods read.
+  # carries only what its methods read, and the version of its scoring (fingerprints).
   assert [f.name for f in dataclasses.fields(Task)] == [
-      "name", "fields", "metric", "max_source_words", "eval_split"]
+      "name", "fields", "metric", "max_source_words", "eval_split", "scoring_version"]
+  assert get_task("gsm8k").scoring_version == 1  # the session-51 answer extraction
   assert get_task("xsum").fields["source_text"] == "document"
   with pytest.raises(ValueError, match=r"unknown task 'gsm'.*\['gsm8k', 'cnndm'"):
     get_task("gsm")

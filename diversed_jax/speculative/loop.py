@@ -163,6 +163,37 @@ def first_index(mask_bk: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(mask_bk, jnp.arange(k), k), axis=-1)
 
 
+def commit_tokens(spec: LoopSpec, out_qn, rows_b, num_generated_b, done_b, tokens_bk1,
+                  num_committed_b):
+  """Each unfinished row appends the first `num_committed_b` of its round's tokens at its
+  write head, in output row `rows_b`, kept up to its first EOS among them and the length
+  limit; finished rows change nothing. Tokens past the kept ones are written too (the
+  next round overwrites them; they are never output).
+
+  Returns (out_qn, kept_b: the tokens each row kept (0 when finished), num_generated_b,
+  done_b).
+  """
+  positions_k1 = jnp.arange(tokens_bk1.shape[1])
+  count_b = num_committed_b
+  if spec.eos_token_ids:
+    is_eos = (jnp.isin(tokens_bk1, jnp.asarray(spec.eos_token_ids))
+              & (positions_k1 < num_committed_b[:, None]))
+    first_eos = first_index(is_eos)
+    hit_eos = first_eos < num_committed_b
+    count_b = jnp.where(hit_eos, first_eos + 1, count_b)
+  else:
+    hit_eos = jnp.zeros(count_b.shape, bool)
+  active = ~done_b
+  kept_b = jnp.where(active, jnp.minimum(count_b, spec.max_new_tokens - num_generated_b), 0)
+  # Finished rows write past the buffer's end, where the writes are dropped.
+  cols_bk1 = jnp.where(active[:, None], num_generated_b[:, None] + positions_k1,
+                       out_qn.shape[1])
+  out_qn = out_qn.at[rows_b[:, None], cols_bk1].set(tokens_bk1, mode="drop")
+  num_generated_b = num_generated_b + kept_b
+  done_b = done_b | (active & (hit_eos | (num_generated_b >= spec.max_new_tokens)))
+  return out_qn, kept_b, num_generated_b, done_b
+
+
 def draft_round(spec: LoopSpec, draft, draft_params, draft_cache, target_lengths_b,
                 last_two_b2, features_b2d, key, proposal=None):
   """Runs the draft for one round from the loop's cache convention (module doc): the
@@ -264,30 +295,16 @@ def verify_and_commit(spec: LoopSpec, target_config: ModelConfig, weight_fn, tar
   round_tokens = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
   round_tokens = jnp.where(positions_k1 == num_accepted[:, None], next_token[:, None],
                            round_tokens)
-  committed_mask = positions_k1 <= num_accepted[:, None]
-  rows_b1 = state.prompt_b[:, None]  # rows write into their prompts' output rows
   active = ~state.done_b
-  write_pos = state.num_generated_b[:, None] + positions_k1
-  out_qn = state.out_qn.at[rows_b1, write_pos].set(
-      jnp.where(active[:, None], round_tokens, state.out_qn[rows_b1, write_pos]))
   policy = state.policy
   if policy is not None:
-    policy = policy.record(state.prompt_b, write_pos, active, round_tokens, draft_logits,
-                           target_logits, draft_hidden, target_hidden, vp.temperature,
-                           vp.top_p)
-
-  new_count = num_accepted + 1
-  if spec.eos_token_ids:
-    is_eos = jnp.isin(round_tokens, jnp.asarray(spec.eos_token_ids)) & committed_mask
-    first_eos = first_index(is_eos)
-    hit_eos = first_eos <= num_accepted
-    new_count = jnp.where(hit_eos, first_eos + 1, new_count)
-  else:
-    hit_eos = jnp.zeros((b,), bool)
-  num_generated = state.num_generated_b + jnp.where(active, new_count, 0)
-  hit_limit = num_generated >= spec.max_new_tokens
-  num_generated = jnp.minimum(num_generated, spec.max_new_tokens)
-  done = state.done_b | (active & (hit_eos | hit_limit))
+    policy = policy.record(state.prompt_b, state.num_generated_b[:, None] + positions_k1,
+                           active, round_tokens, draft_logits, target_logits, draft_hidden,
+                           target_hidden, vp.temperature, vp.top_p)
+  # Rows write into their prompts' output rows.
+  out_qn, _, num_generated, done = commit_tokens(
+      spec, state.out_qn, state.prompt_b, state.num_generated_b, state.done_b, round_tokens,
+      num_accepted + 1)
 
   # Roll back: x0 and the n accepted drafts are now in the target cache; the new pending
   # token is next_token. Finished rows keep their lengths.

@@ -110,29 +110,16 @@ def _commit(spec: loop.LoopSpec, state: _State, round_tokens_bk1, log_ratio_bk) 
   """Every unfinished particle appends the round's K + 1 tokens, up to its first EOS and
   the length limit, and multiplies its weight by p/q of the drafts it kept."""
   k = spec.num_draft
-  positions_k1 = jnp.arange(k + 1)
-  count = jnp.full(round_tokens_bk1.shape[:1], k + 1, jnp.int32)
-  if spec.eos_token_ids:
-    is_eos = jnp.isin(round_tokens_bk1, jnp.asarray(spec.eos_token_ids))
-    first_eos = loop.first_index(is_eos)  # K + 1 when none
-    hit_eos = first_eos <= k
-    count = jnp.where(hit_eos, first_eos + 1, count)
-  else:
-    hit_eos = jnp.zeros(count.shape, bool)
-  count = jnp.minimum(count, spec.max_new_tokens - state.num_generated_b)
-  active = ~state.done_b
-  rows = jnp.arange(count.shape[0])[:, None]
-  write_pos = state.num_generated_b[:, None] + positions_k1
-  out_bn = state.out_bn.at[rows, write_pos].set(
-      jnp.where(active[:, None], round_tokens_bk1, state.out_bn[rows, write_pos]))
-  num_generated = state.num_generated_b + jnp.where(active, count, 0)
-  # Only the kept drafts weigh; the bonus token is the target's own.
-  kept_bk = positions_k1[:k] < count[:, None]
+  b = round_tokens_bk1.shape[0]
+  out_bn, kept_b, num_generated, done = loop.commit_tokens(
+      spec, state.out_bn, jnp.arange(b), state.num_generated_b, state.done_b,
+      round_tokens_bk1, jnp.full((b,), k + 1, jnp.int32))
+  # Only the kept drafts weigh (finished particles keep none); the bonus token is the
+  # target's own.
+  kept_bk = jnp.arange(k) < kept_b[:, None]
   increment = jnp.sum(jnp.where(kept_bk, log_ratio_bk, 0.0), axis=-1)
-  return state.replace(
-      out_bn=out_bn, num_generated_b=num_generated,
-      done_b=state.done_b | (active & (hit_eos | (num_generated >= spec.max_new_tokens))),
-      log_weight_b=state.log_weight_b + jnp.where(active, increment, 0.0))
+  return state.replace(out_bn=out_bn, num_generated_b=num_generated, done_b=done,
+                       log_weight_b=state.log_weight_b + increment)
 
 
 def _resample(ess_threshold: float, key, state: _State, q: int, n: int):
