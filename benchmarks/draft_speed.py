@@ -78,10 +78,11 @@ _COMPARE = flags.DEFINE_list("compare", [], "distilled draft folders to compare 
 
 
 def _prompts(tokenizer, task: str, n: int) -> list[list[int]]:
+  from diversed_jax import tokenizer as tokenizer_lib
   from diversed_jax.tasks import datasets, prompts
   examples = datasets.load_examples(task, split="test", limit=n)
   kwargs = {"max_source_chars": _MAX_CHARS.value} if task == "cnndm" else {}
-  return [prompts.encode_prompt(prompts.build_prompt(e, **kwargs), tokenizer, chat=True)
+  return [tokenizer_lib.encode_prompt(tokenizer, prompts.build_prompt(e, **kwargs), chat=True)
           for e in examples]
 
 

@@ -40,23 +40,35 @@ def load_tokenizer(spec: str):
   return _load(os.path.abspath(path))
 
 
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-  """Token ids of a prompt; with `chat`, one user turn through the chat template followed
-  by the assistant header (the template's own special tokens, added once).
+def encode_prompt(tokenizer, text: str, chat: bool | None = None,
+                  system: str | None = None) -> list[int]:
+  """Token ids of a prompt: with `chat`, one user turn through the chat template followed
+  by the assistant header (the template's own special tokens, added once); without,
+  `tokenizer.encode` with its default special tokens (a base model's BOS).
+
+  chat: None = when the tokenizer has a chat template (instruct models).
+  system: an optional system message (templates that insert a default one keep theirs
+    when None).
 
   Raises:
     ValueError: chat=True for a tokenizer without a chat template.
   """
+  has_template = bool(getattr(tokenizer, "chat_template", None))
+  if chat is None:
+    chat = has_template
   if not chat:
-    return list(tokenizer(text)["input_ids"])
-  if not getattr(tokenizer, "chat_template", None):
+    return list(tokenizer.encode(text))
+  if not has_template:
     raise ValueError(
         f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
         "encode with chat=False")
-  rendered = tokenizer.apply_chat_template(
-      [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-  # The template already holds BOS/turn markers: do not let the tokenizer add them again.
-  return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+  messages = ([{"role": "system", "content": system}] if system else []) + [
+      {"role": "user", "content": text}]
+  # Render to text, then encode without special tokens: the template already holds BOS
+  # and turn markers, and text rendering behaves the same across transformers 4 and 5.
+  rendered = tokenizer.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=True)
+  return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def _vocab(tokenizer_or_vocab) -> Mapping[str, int]:

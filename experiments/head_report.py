@@ -47,9 +47,8 @@ def main(argv):
   from diversed_jax.speculative import metrics as metrics_lib
   from diversed_jax.speculative.decoder import ModelHandle, SpeculativeDecoder
   from diversed_jax.speculative.types import VerifyParams
-  from diversed_jax.tasks import prompts as prompts_lib
   from diversed_jax.tasks.registry import get_task
-  from diversed_jax.tokenizer import load_tokenizer
+  from diversed_jax.tokenizer import encode_prompt, load_tokenizer
   from diversed_jax.training import head_io
   from diversed_jax.training.rollouts import mean_committed_weight, policy_batch
 
@@ -68,7 +67,7 @@ def main(argv):
     if task.max_source_words is not None:
       task = dataclasses.replace(task, max_source_words=_MAX_WORDS.value)
     examples = task.load(split="test", limit=_NUM_PROMPTS.value)
-    prompts = [prompts_lib.encode_prompt(task.prompt(e), tokenizer) for e in examples]
+    prompts = [encode_prompt(tokenizer, task.prompt(e)) for e in examples]
     settings = []
     if _BASELINES.value:
       settings = [("sd", "exact SD", None)]

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.tasks import datasets, gsm8k, prompts
 from diversed_jax.tasks.datasets import Example
 from diversed_jax.tasks.registry import TASK_NAMES, Task, get_task
@@ -254,15 +255,17 @@ def test_local_sources_and_where_shots_come_from(tmp_path):
 
 def test_encode_prompt_chat_and_base():
   chat_tok = FakeTokenizer(chat_template="{{ messages }}")
-  ids = prompts.encode_prompt("Hi", chat_tok)
+  ids = tokenizer_lib.encode_prompt(chat_tok, "Hi")
   expected = "<user>Hi</user><assistant>"
   assert ids == [ord(c) for c in expected]
   assert chat_tok.calls[-1] == ("encode", expected, False)
-  ids = prompts.encode_prompt("Hi", chat_tok, system="Be brief.")
+  ids = tokenizer_lib.encode_prompt(chat_tok, "Hi", system="Be brief.")
   assert ids == [ord(c) for c in "<system>Be brief.</system>" + expected]
   base_tok = FakeTokenizer()
-  assert prompts.encode_prompt("Hi", base_tok) == [1, ord("H"), ord("i")]
-  assert prompts.encode_prompt("Hi", chat_tok, chat=False) == [1, ord("H"), ord("i")]
+  assert tokenizer_lib.encode_prompt(base_tok, "Hi") == [1, ord("H"), ord("i")]
+  assert tokenizer_lib.encode_prompt(chat_tok, "Hi", chat=False) == [1, ord("H"), ord("i")]
+  with pytest.raises(ValueError, match="no chat template"):
+    tokenizer_lib.encode_prompt(base_tok, "Hi", chat=True)
 
 
 def test_registry():

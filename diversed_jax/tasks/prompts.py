@@ -6,6 +6,7 @@ import dataclasses
 import re
 from typing import Any, Sequence
 
+from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.tasks import datasets
 from diversed_jax.tasks.datasets import Example
 
@@ -140,34 +141,10 @@ def load_shots(task: str, k: int, source: str | None = None, split: str = "train
   return datasets.load_examples(task, source=source, split=split, limit=k, fields=fields)
 
 
-def encode_prompt(text: str, tokenizer: Any, chat: bool | None = None,
-                  system: str | None = None) -> list[int]:
-  """Token ids of a user turn.
-
-  chat: wrap `text` in the tokenizer's chat template with the generation prompt (instruct
-    models); None = when the tokenizer has a chat template. Otherwise `tokenizer.encode`
-    with its default special tokens (a base model's BOS).
-  system: an optional system message (templates that insert a default one keep theirs
-    when None).
-  """
-  if chat is None:
-    chat = bool(getattr(tokenizer, "chat_template", None)) and hasattr(
-        tokenizer, "apply_chat_template")
-  if not chat:
-    return list(tokenizer.encode(text))
-  messages = ([{"role": "system", "content": system}] if system else []) + [
-      {"role": "user", "content": text}]
-  # Render to text, then encode without special tokens: the template already holds BOS and
-  # role markers, and text rendering behaves the same across transformers 4 and 5.
-  rendered = tokenizer.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=True)
-  return list(tokenizer.encode(rendered, add_special_tokens=False))
-
-
 def fit_prompt_ids(example: Example, shots: Sequence[Example], tokenizer: Any,
                    max_tokens: int, *, chat: bool = True,
                    max_source_words: int | None = None) -> tuple[list[int], bool]:
-  """(ids, shortened): encode_prompt(build_prompt(...)) in at most `max_tokens` ids where
+  """(ids, shortened): tokenizer.encode_prompt(build_prompt(...)) in at most `max_tokens` ids where
   it can be, and whether it had to be shortened.
 
   Only the variable part gives, before the chat template is applied, so the template's
@@ -179,7 +156,7 @@ def fit_prompt_ids(example: Example, shots: Sequence[Example], tokenizer: Any,
   """
   def encode(ex, kept_shots, words):
     text = build_prompt(ex, kept_shots, max_source_words=words, chat=chat)
-    return encode_prompt(text, tokenizer, chat=chat)
+    return tokenizer_lib.encode_prompt(tokenizer, text, chat=chat)
 
   shots = list(shots)
   whole = ids = encode(example, shots, max_source_words)

@@ -63,7 +63,7 @@ class TokenTask:
 def text_task(task, tokenizer, chat: bool | None = None, shots: Sequence[Any] = ()) -> TokenTask:
   """A TokenTask from a diversed_jax.tasks Task (or its name): prompts through the model's
   chat template, completions decoded without special tokens and scored by the task."""
-  from diversed_jax.tasks import prompts as prompts_lib
+  from diversed_jax import tokenizer as tokenizer_lib
   from diversed_jax.tasks.registry import get_task
   if isinstance(task, str):
     task = get_task(task)
@@ -71,8 +71,8 @@ def text_task(task, tokenizer, chat: bool | None = None, shots: Sequence[Any] = 
     raise ValueError(f"task {task.name!r} scores text: pass a tokenizer")
 
   def prompt_ids(example):
-    return prompts_lib.encode_prompt(task.prompt(example, shots, chat=chat is not False),
-                                     tokenizer, chat=chat)
+    return tokenizer_lib.encode_prompt(
+        tokenizer, task.prompt(example, shots, chat=chat is not False), chat=chat)
 
   def rewards(generated, examples):
     texts = [tokenizer.decode(list(g), skip_special_tokens=True) for g in generated]
