@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from diversed_jax import atomic_files
 from diversed_jax.distill import copy_gate
 from diversed_jax.distill.architectures import DistilledDraft, frozen_params
 from diversed_jax.models.config import ModelConfig
@@ -45,13 +46,6 @@ def _unflatten(flat):
   return traverse_util.unflatten_dict(dict(flat), sep="/")
 
 
-def _write_text(path: str, text: str) -> None:
-  """Writes `path` whole or not at all (a kill mid-write leaves the old file)."""
-  with open(path + ".tmp", "w") as f:
-    f.write(text)
-  os.replace(path + ".tmp", path)
-
-
 def save_draft(folder: str, draft: DistilledDraft, train_params, vocab_ids, target_name: str,
                extra: dict | None = None, dtype=np.float16) -> None:
   """Writes a draft folder (see the module doc); float leaves stored as `dtype`."""
@@ -59,15 +53,14 @@ def save_draft(folder: str, draft: DistilledDraft, train_params, vocab_ids, targ
   flat = {k: np.asarray(v, np.float32).astype(dtype)
           for k, v in _flatten(jax.device_get(train_params)).items()}
   flat["vocab_ids"] = np.asarray(vocab_ids, np.int32)
-  tmp = os.path.join(folder, "params.tmp.npz")
-  np.savez(tmp, **flat)
-  os.replace(tmp, os.path.join(folder, "params.npz"))
+  atomic_files.save_npz(os.path.join(folder, "params.npz"), flat)
   meta = {"kind": draft.kind, "config": dataclasses.asdict(draft.config),
           "target_hidden": draft.target_hidden, "vocab_size": draft.vocab_size,
           "target": target_name, **(extra or {})}
-  _write_text(os.path.join(folder, "draft.json"), json.dumps(meta, indent=1))
+  atomic_files.write_json(os.path.join(folder, "draft.json"), meta, indent=1)
   # Last: the file that makes a folder a draft folder (check_export_dir, shipped_draft).
-  _write_text(os.path.join(folder, "draft_kind.txt"), KIND_PREFIX + draft.kind + "\n")
+  atomic_files.write_text(os.path.join(folder, "draft_kind.txt"),
+                          KIND_PREFIX + draft.kind + "\n")
 
 
 def save_draft_swapped(folder: str, *args, **kwargs) -> None:
@@ -136,9 +129,7 @@ def replace_draft_folder(src: str, dest: str, log=print) -> None:
   os.makedirs(dest, exist_ok=True)
   written = [name for name in DRAFT_FILES if os.path.exists(os.path.join(src, name))]
   for name in written:
-    path = os.path.join(dest, name)
-    shutil.copyfile(os.path.join(src, name), path + ".tmp")
-    os.replace(path + ".tmp", path)
+    atomic_files.copy_file(os.path.join(src, name), os.path.join(dest, name))
   remove_stale_files(dest, written, log)
 
 

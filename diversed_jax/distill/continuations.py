@@ -22,6 +22,8 @@ from typing import Sequence
 
 import numpy as np
 
+from diversed_jax import atomic_files
+
 
 def path(folder: str, index: int) -> str:
   return os.path.join(folder, f"cont_{index:05d}.npz")
@@ -43,13 +45,11 @@ def save(folder: str, index: int, prompts, continuations, temperature: float) ->
   os.makedirs(folder, exist_ok=True)
   flat = [t for c in continuations for t in c]
   dtype = np.uint16 if max(flat, default=0) < 65536 else np.int32
-  target = path(folder, index)
-  tmp = target + ".tmp.npz"
-  np.savez_compressed(
-      tmp, ids=np.asarray(flat, dtype),
+  atomic_files.save_npz(path(folder, index), dict(
+      ids=np.asarray(flat, dtype),
       offsets=np.cumsum([0] + [len(c) for c in continuations]).astype(np.int64),
-      temperature=np.float32(temperature), prompt_digest=np.asarray(prompt_digest(prompts)))
-  os.replace(tmp, target)
+      temperature=np.float32(temperature), prompt_digest=np.asarray(prompt_digest(prompts))),
+      compressed=True)
 
 
 def load(folder: str, index: int, prompts, temperature: float) -> list[list[int]]:

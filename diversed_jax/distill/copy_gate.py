@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diversed_jax import atomic_files
 from diversed_jax.distill import architectures
 from diversed_jax.models import transformer
 from diversed_jax.speculative import context_copy
@@ -155,8 +156,8 @@ def fit(data_by_task: dict, lams, max_ngram: int, max_lam: float, l2: float = 1e
 
 
 def save_gate(folder: str, gate: context_copy.CopyGate, report: dict | None = None) -> None:
-  with open(os.path.join(folder, GATE_FILE), "w") as f:
-    json.dump({**gate.to_json(), "fit": report or {}}, f, indent=1)
+  atomic_files.write_json(os.path.join(folder, GATE_FILE),
+                          {**gate.to_json(), "fit": report or {}}, indent=1)
 
 
 def read_gate(folder: str) -> context_copy.CopyGate | None:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diversed_jax import atomic_files
 from diversed_jax.distill import continuations
 from diversed_jax.models import transformer
 from diversed_jax.models.kv_cache import bucket_length
@@ -206,9 +207,7 @@ def shard_path(folder: str, index: int) -> str:
 
 def save_shard(folder: str, index: int, arrays: dict) -> None:
   os.makedirs(folder, exist_ok=True)
-  tmp = shard_path(folder, index) + ".tmp.npz"
-  np.savez(tmp, **arrays)
-  os.replace(tmp, shard_path(folder, index))
+  atomic_files.save_npz(shard_path(folder, index), arrays)
 
 
 def list_shards(folder: str) -> list[str]:

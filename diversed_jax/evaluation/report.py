@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from diversed_jax import atomic_files
 from diversed_jax.evaluation.methods import CURVES
 
 COLUMNS = ("method", "setting", "params", "dataset", "n_examples", "acceptance_rate",
@@ -149,16 +150,14 @@ def write_reports(rows: Sequence[dict], workdir: str, plot: bool = True) -> dict
   os.makedirs(workdir, exist_ok=True)
   paths = {name: os.path.join(workdir, name)
            for name in ("summary.json", "summary.csv", "summary.md")}
-  with open(paths["summary.json"], "w") as f:
-    json.dump(list(rows), f, indent=1)
-  with open(paths["summary.csv"], "w", newline="") as f:
+  atomic_files.write_json(paths["summary.json"], list(rows), indent=1)
+  with atomic_files.replacing(paths["summary.csv"]) as tmp, open(tmp, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=COLUMNS)
     writer.writeheader()
     for r in rows:
       writer.writerow({k: json.dumps(r[k], sort_keys=True) if isinstance(r[k], dict)
                        else ("" if r[k] is None else r[k]) for k in COLUMNS})
-  with open(paths["summary.md"], "w") as f:
-    f.write(markdown_table(rows))
+  atomic_files.write_text(paths["summary.md"], markdown_table(rows))
   if plot and rows:
     paths["pareto.png"] = plot_pareto(rows, os.path.join(workdir, "pareto.png"))
   return paths

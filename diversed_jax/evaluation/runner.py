@@ -16,7 +16,6 @@ workdir's files and prints the tables.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import time
@@ -24,6 +23,7 @@ from typing import Callable
 
 import jax
 
+from diversed_jax import atomic_files
 from diversed_jax.evaluation import context as context_lib
 from diversed_jax.evaluation import evaluate as evaluate_lib
 from diversed_jax.evaluation import report
@@ -152,10 +152,8 @@ def bench(config, workdir: str, log: Callable = _log) -> list[dict]:
                  f"| {r['acceptance_rate']:.3f} | {r['tokens_per_round']:.2f} | "
                  f"{r['compile_seconds']:.1f} |")
   if hosts.is_writer():
-    with open(os.path.join(workdir, "bench.json"), "w") as f:
-      json.dump(rows, f, indent=1)
-    with open(os.path.join(workdir, "bench.md"), "w") as f:
-      f.write("\n".join(lines) + "\n")
+    atomic_files.write_json(os.path.join(workdir, "bench.json"), rows, indent=1)
+    atomic_files.write_lines(os.path.join(workdir, "bench.md"), lines)
     print("\n" + "\n".join(lines), flush=True)
   return rows
 
@@ -175,8 +173,8 @@ def run(config, workdir: str | None = None, log: Callable = _log):
   workdir = preflight(config, workdir)
   if hosts.is_writer():
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=1, sort_keys=True))
+    atomic_files.write_text(os.path.join(workdir, "config.json"),
+                            config.to_json_best_effort(indent=1, sort_keys=True))
   log(f"mode {config.mode}, workdir {workdir}")
   if config.mode == "eval":
     return evaluate_and_report(config, workdir, log=log)

@@ -18,6 +18,7 @@ import numpy as np
 from absl import logging
 from flax import traverse_util
 
+from diversed_jax import atomic_files
 from diversed_jax.digest import folder_digest
 from diversed_jax.rl.head import EnsembleHead
 from diversed_jax.speculative.build import NO_COPY
@@ -47,15 +48,11 @@ def save_head(folder: str, module: EnsembleHead, params, dq: int, dp: int,
   """Writes head.json and params.npz into `folder` (atomically per file); returns folder."""
   os.makedirs(folder, exist_ok=True)
   flat = _flatten(jax.device_get(dict(params)))
-  tmp = os.path.join(folder, "params.tmp.npz")
-  np.savez(tmp, **flat)
-  os.replace(tmp, os.path.join(folder, "params.npz"))
+  atomic_files.save_npz(os.path.join(folder, "params.npz"), flat)
   meta = {"format": FORMAT, "head": module_fields(module), "dq": int(dq), "dp": int(dp),
           **provenance}
-  tmp = os.path.join(folder, "head.json.tmp")
-  with open(tmp, "w") as f:
-    json.dump(meta, f, indent=1, sort_keys=True, default=str)
-  os.replace(tmp, os.path.join(folder, "head.json"))
+  atomic_files.write_json(os.path.join(folder, "head.json"), meta, indent=1,
+                          sort_keys=True, default=str)
   return folder
 
 
