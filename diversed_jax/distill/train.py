@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from diversed_jax import atomic_files
 from diversed_jax.distill import architectures, artifacts, batches, copy_gate, data, losses
 from diversed_jax.parallel import mesh as mesh_lib
 
@@ -45,6 +46,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.{field}={value!r} is invalid" + "".join(f": {w}" for w in why))
   if config.mode == "train":
     step_mesh(config.train)  # the windows divide over the devices
+  # Last, the paths: a typo would fail only after the target loads.
+  from diversed_jax.evaluation.validate import check_model
+  check_model("config.target", config.target)
+  init_from = config.train.init_from
+  if init_from and not os.path.isfile(os.path.join(init_from, "draft.json")):
+    raise ValueError(f"config.train.init_from={init_from!r} is invalid: not a draft folder "
+                     "(no draft.json)")
 
 
 def _checks(config) -> list[tuple]:
@@ -254,10 +262,7 @@ class Trainer:
     which a resumed run uses even if the folders grew while it was stopped."""
     dropped = self.pool.num_dropped
     self.pool.use(num_shards, first)
-    tmp = self._in_use_path + ".tmp"
-    with open(tmp, "w") as f:
-      f.writelines(path + "\n" for path in self.pool.in_use)
-    os.replace(tmp, self._in_use_path)
+    atomic_files.write_lines(self._in_use_path, self.pool.in_use)
     if self.pool.num_dropped != dropped:
       self.log(f"left out {self.pool.num_dropped} training sequences whose prompt is a "
                f"held-out shard's (of {self.config.data.dir}, shards "
