@@ -12,7 +12,7 @@ setup(
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[
-        "jax>=0.4.35",
+        "jax>=0.6.2",  # jax.shard_map and jax.ffi (the suite runs on 0.10)
         "flax>=0.10",
         "optax>=0.2.3",
         "orbax-checkpoint>=0.10",
@@ -32,7 +32,9 @@ setup(
         "protobuf",
     ],
     extras_require={
-        # Test-only references: transformers' PyTorch models (CPU build) to check parity.
+        # Test-only references: transformers' PyTorch models to check parity. A CPU build is
+        # all the tests need; where pip's index serves CUDA builds, install torch from
+        # https://download.pytorch.org/whl/cpu first.
         "test": ["torch==2.13.0", "accelerate", "pytest", "pytest-xdist", "nbformat", "nbclient",
                  "ipykernel"],
         "gpu": ["jax[cuda12]"],

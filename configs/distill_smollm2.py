@@ -22,7 +22,7 @@ def get_config():
   # or fit_copy_gate (train.init_from with a fitted context-copy gate -> export_dir)
   c.target = "smollm2-135m-instruct"  # registry name, folder or GGUF of the target
   c.workdir = "runs/distill_smollm2"  # checkpoints, logs; git-ignored
-  c.export_dir = ""  # for mode=export and shrink_vocab: the asset folder to write
+  c.export_dir = ""  # for modes export, shrink_vocab, fit_copy_gate: the folder to write
 
   c.data = ml_collections.ConfigDict()
   c.data.dir = "runs/distill_ref_smollm2"  # shard folder shared by data and train modes

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Heads for the shipped distilled feature draft (the default draft of smollm2-135m-instruct).
 # Resumable: rerunning continues from the last checkpoint. Workdirs under $RUNS (default
-# runs/heads_step700, the runs that trained the shipped heads; use a new folder after
-# re-shipping the draft, since a head trains against one draft version).
+# runs/heads_step700; session 51 trained the shipped heads with RUNS=runs/heads_s51; use a
+# new folder after re-shipping the draft, since a head trains against one draft version).
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs/heads_step700}
 COMMON="--train.prompts_per_step=2 --train.rollouts_per_prompt=2 --train.max_new_tokens=32 --train.num_draft=4 --train.temperature=0.7 --train.learning_rate=1e-3 --train.warmup_steps=1 --train.total_steps=8 --train.checkpoint_every=1 --train.head_layer_norm=True --train.max_prompt_tokens=512"

@@ -1,5 +1,6 @@
-"""Training of the DIVERSED ensemble head: config, rollouts from the speculative loop,
-teacher-forced log nu, the RL loop with checkpoints, head folders and shipped heads."""
+"""Training of the DIVERSED ensemble head: config, rollouts from the speculative loop
+(with the loop's record of each token's law, for log nu), the RL loop with checkpoints,
+head folders and shipped heads."""
 
 from diversed_jax.training.config import HParams, default_config, validate
 from diversed_jax.training.head_io import load_head_folder, read_head, save_head
