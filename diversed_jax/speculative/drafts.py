@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import jax
-
 from diversed_jax.models import transformer
 from diversed_jax.models.config import ModelConfig
 from diversed_jax.models.kv_cache import KVCache
@@ -66,7 +64,3 @@ def parse_self_draft(spec: str) -> int | None:
   """'self:4' -> 4; anything else -> None."""
   match = _SELF_DRAFT.match(spec.strip())
   return int(match.group(1)) if match else None
-
-
-def draft_param_bytes(params) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

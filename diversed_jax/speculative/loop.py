@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -252,6 +252,76 @@ def _round(spec: LoopSpec, target_config: ModelConfig, draft, weight_fn, params,
                            draft_logits, draft_hidden, verify_key)
 
 
+class _Decision(NamedTuple):
+  """What a round's rule decided, per row."""
+  num_accepted_b: jax.Array  # n, the leading drafts accepted
+  next_token_b: jax.Array  # the residual (n < K) or bonus (n = K) token, at index n
+  accept_prob_bk: jax.Array
+  beta_bk: jax.Array
+  weights_bk1: jax.Array  # w on the target (zeros for rules without one)
+
+
+def _decide(spec: LoopSpec, weight_fn, head_params, drafts_bk, draft_logits, draft_hidden,
+            target_logits, target_hidden, key) -> _Decision:
+  """Step 3 of a round: the rule and its resolution (plain sampling with K = 0)."""
+  vp = spec.verify
+  b, k = drafts_bk.shape
+  zeros_bk = jnp.zeros((b, k), jnp.float32)
+  weights = jnp.zeros((b, k + 1), jnp.float32)
+  if k == 0:
+    next_token = distributions.sample_logits(key, target_logits[:, 0], vp.temperature,
+                                             vp.top_p)
+    return _Decision(jnp.zeros((b,), jnp.int32), next_token, zeros_bk, zeros_bk, weights)
+  if vp.method == "diversed":
+    weights = weight_fn(head_params, draft_hidden, target_hidden)
+  elif vp.method in ("static", "static_logit"):  # recorded for the reports' mean w
+    weights = jnp.full((b, k + 1), vp.weight, jnp.float32)
+  weights_bk1 = weights if vp.method == "diversed" else None
+  if vp.temperature == 0 and vp.method in verification.TWO_TOKEN_RULES:
+    # Greedy drafts and one-hot laws: the rule runs on two tokens per position.
+    verdict, outcome = verification.greedy_round(draft_logits, target_logits, vp,
+                                                 weights_bk1, key)
+  else:
+    verdict = verification.get_rule(vp.method)(draft_logits, target_logits, drafts_bk, vp,
+                                               weights_bk1)
+    outcome = verification.resolve_round(verdict, drafts_bk, key)
+  return _Decision(outcome.num_accepted_b, outcome.next_token_b, verdict.accept_prob_bk,
+                   verdict.beta_bk, weights.astype(jnp.float32))
+
+
+def _last_two_after(state: _State, round_tokens_bk1, decision: _Decision, target_hidden,
+                    active_b):
+  """The last two committed tokens of each active row after its round, and the target
+  features that predicted them: at indices n - 1 and n of the round's pass (for n = 0 the
+  first one is the old second)."""
+  n = decision.num_accepted_b
+  before_n = jnp.maximum(n - 1, 0)
+  prev = jnp.where(n > 0, jnp.take_along_axis(round_tokens_bk1, before_n[:, None], axis=1)[:, 0],
+                   state.last_two_b2[:, 1])
+  last_two = jnp.stack([prev, decision.next_token_b], axis=1)
+  at_n = jnp.take_along_axis(target_hidden, n[:, None, None], axis=1)[:, 0]
+  feature_before = jnp.take_along_axis(target_hidden, before_n[:, None, None], axis=1)[:, 0]
+  feature_before = jnp.where((n > 0)[:, None], feature_before, state.features_b2d[:, 1])
+  features = jnp.stack([feature_before, at_n], axis=1).astype(state.features_b2d.dtype)
+  return (jnp.where(active_b[:, None], last_two, state.last_two_b2),
+          jnp.where(active_b[:, None, None], features, state.features_b2d))
+
+
+def _stats_with_round(state: _State, active_b, decision: _Decision) -> RoundStats:
+  """The statistics with this round's in the rows' columns (rows dropped by a shrunk tail
+  keep their columns' zeros: inactive)."""
+  stats, r, slots = state.stats, state.round, state.slot_b
+  return stats.replace(
+      active_rb=stats.active_rb.at[r, slots].set(active_b),
+      prompt_rb=stats.prompt_rb.at[r, slots].set(state.prompt_b),
+      num_accepted_rb=stats.num_accepted_rb.at[r, slots].set(decision.num_accepted_b),
+      accept_prob_rbk=stats.accept_prob_rbk.at[r, slots].set(decision.accept_prob_bk),
+      beta_rbk=stats.beta_rbk.at[r, slots].set(decision.beta_bk),
+      weights_rbk=stats.weights_rbk.at[r, slots].set(decision.weights_bk1),
+      width_r=stats.width_r.at[r].set(active_b.shape[0]),
+  )
+
+
 def verify_and_commit(spec: LoopSpec, target_config: ModelConfig, weight_fn, target_params,
                       head_params, state: _State, drafts_bk, draft_logits, draft_hidden,
                       key) -> _State:
@@ -259,91 +329,43 @@ def verify_and_commit(spec: LoopSpec, target_config: ModelConfig, weight_fn, tar
   from `draft_logits` [B, steps, V] (None with K = 0): the target pass, the rule, the commit and
   the roll-back of the target cache. `state.draft_cache` passes through untouched, and
   `state.key` is not used (`key` is the rule's)."""
-  vp = spec.verify
   k = spec.num_draft
-  b = state.num_generated_b.shape[0]
   target_in = jnp.concatenate([state.last_two_b2[:, 1:], drafts_bk], axis=1)
   target_logits, target_hidden, target_cache = transformer.forward(
       target_params, target_config, target_in, state.target_cache)
+  decision = _decide(spec, weight_fn, head_params, drafts_bk, draft_logits, draft_hidden,
+                     target_logits, target_hidden, key)
+  n = decision.num_accepted_b
 
-  zeros_bk = jnp.zeros((b, k), jnp.float32)
-  weights = jnp.zeros((b, k + 1), jnp.float32)
-  if k == 0:
-    num_accepted = jnp.zeros((b,), jnp.int32)
-    next_token = distributions.sample_logits(key, target_logits[:, 0], vp.temperature,
-                                             vp.top_p)
-    accept_prob, beta = zeros_bk, zeros_bk
-  else:
-    if vp.method == "diversed":
-      weights = weight_fn(head_params, draft_hidden, target_hidden)
-    elif vp.method in ("static", "static_logit"):  # recorded for the reports' mean w
-      weights = jnp.full((b, k + 1), vp.weight, jnp.float32)
-    weights_bk1 = weights if vp.method == "diversed" else None
-    if vp.temperature == 0 and vp.method in verification.TWO_TOKEN_RULES:
-      # Greedy drafts and one-hot laws: the rule runs on two tokens per position.
-      verdict, outcome = verification.greedy_round(draft_logits, target_logits, vp,
-                                                   weights_bk1, key)
-    else:
-      verdict = verification.get_rule(vp.method)(draft_logits, target_logits, drafts_bk, vp,
-                                                 weights_bk1)
-      outcome = verification.resolve_round(verdict, drafts_bk, key)
-    num_accepted, next_token = outcome.num_accepted_b, outcome.next_token_b
-    accept_prob, beta = verdict.accept_prob_bk, verdict.beta_bk
-
-  # Commit: the round's tokens are d_1..d_n then the residual/bonus token at index n.
+  # The round's tokens: d_1..d_n, then the residual/bonus token at index n.
   positions_k1 = jnp.arange(k + 1)
-  round_tokens = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), jnp.int32)], axis=1)
-  round_tokens = jnp.where(positions_k1 == num_accepted[:, None], next_token[:, None],
+  b = drafts_bk.shape[0]
+  round_tokens = jnp.concatenate([drafts_bk, jnp.zeros((b, 1), drafts_bk.dtype)], axis=1)
+  round_tokens = jnp.where(positions_k1 == n[:, None], decision.next_token_b[:, None],
                            round_tokens)
   active = ~state.done_b
   policy = state.policy
   if policy is not None:
     policy = policy.record(state.prompt_b, state.num_generated_b[:, None] + positions_k1,
                            active, round_tokens, draft_logits, target_logits, draft_hidden,
-                           target_hidden, vp.temperature, vp.top_p)
+                           target_hidden, spec.verify.temperature, spec.verify.top_p)
   # Rows write into their prompts' output rows.
   out_qn, _, num_generated, done = commit_tokens(
       spec, state.out_qn, state.prompt_b, state.num_generated_b, state.done_b, round_tokens,
-      num_accepted + 1)
-
+      n + 1)
   # Roll back: x0 and the n accepted drafts are now in the target cache; the new pending
   # token is next_token. Finished rows keep their lengths.
-  lengths = jnp.where(active, state.target_cache.lengths_b + num_accepted + 1,
+  lengths = jnp.where(active, state.target_cache.lengths_b + n + 1,
                       state.target_cache.lengths_b)
-  prev = jnp.where(num_accepted > 0,
-                   jnp.take_along_axis(round_tokens, jnp.maximum(num_accepted - 1, 0)[:, None],
-                                       axis=1)[:, 0],
-                   state.last_two_b2[:, 1])
-  last_two = jnp.where(active[:, None], jnp.stack([prev, next_token], axis=1), state.last_two_b2)
-  # Features of the new last two tokens: target hidden at indices n-1 and n of this pass
-  # (for n = 0 the first one is the old second feature).
-  at_n = jnp.take_along_axis(target_hidden, num_accepted[:, None, None], axis=1)[:, 0]
-  before_n = jnp.take_along_axis(
-      target_hidden, jnp.maximum(num_accepted - 1, 0)[:, None, None], axis=1)[:, 0]
-  before_n = jnp.where((num_accepted > 0)[:, None], before_n, state.features_b2d[:, 1])
-  features = jnp.stack([before_n, at_n], axis=1).astype(state.features_b2d.dtype)
-  features = jnp.where(active[:, None, None], features, state.features_b2d)
-
-  r = state.round
-  stats = state.stats
-  # Rows dropped by a shrunk tail batch keep their columns' zeros: inactive.
-  slots = state.slot_b
-  stats = stats.replace(
-      active_rb=stats.active_rb.at[r, slots].set(active),
-      prompt_rb=stats.prompt_rb.at[r, slots].set(state.prompt_b),
-      num_accepted_rb=stats.num_accepted_rb.at[r, slots].set(num_accepted),
-      accept_prob_rbk=stats.accept_prob_rbk.at[r, slots].set(accept_prob),
-      beta_rbk=stats.beta_rbk.at[r, slots].set(beta),
-      weights_rbk=stats.weights_rbk.at[r, slots].set(weights.astype(jnp.float32)),
-      width_r=stats.width_r.at[r].set(b),
-  )
+  last_two, features = _last_two_after(state, round_tokens, decision, target_hidden, active)
   return state.replace(
-      round=r + 1,
+      round=state.round + 1,
       target_cache=target_cache.with_lengths(lengths),
       last_two_b2=last_two,
       features_b2d=features,
       out_qn=out_qn, num_generated_q=state.num_generated_q.at[state.prompt_b].set(num_generated),
-      num_generated_b=num_generated, done_b=done, stats=stats, policy=policy)
+      num_generated_b=num_generated, done_b=done,
+      stats=_stats_with_round(state, active, decision), policy=policy)
 
 
 def _pass_counts(num_tokens, chunk: int) -> tuple[jax.Array, jax.Array]:
@@ -555,16 +577,18 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
   greedy = spec.verify.temperature == 0
   with products.row_independent() if greedy else contextlib.nullcontext():
     return _prefill_and_loop(target_params, draft_params, head_params, prompt_qp,
-                             prompt_lengths_q, key, spec, target_config, draft, weight_fn,
-                             cache_len, b, prefill_chunk, tail_widths)
+                             prompt_lengths_q, key, spec=spec, target_config=target_config,
+                             draft=draft, weight_fn=weight_fn, cache_len=cache_len,
+                             batch_size=b, prefill_chunk=prefill_chunk,
+                             tail_widths=tail_widths)
 
 
 def _prefill_and_loop(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q,
-                      key, spec, target_config, draft, weight_fn, cache_len, b, prefill_chunk,
-                      tail_widths) -> DecodeResult:
+                      key, *, spec, target_config, draft, weight_fn, cache_len, batch_size,
+                      prefill_chunk, tail_widths) -> DecodeResult:
   """`decode`'s program once its arguments are checked: the first B prompts' prefill,
   then the rounds (with refills while prompts are queued), then the tail's widths."""
-  num_prompts = prompt_qp.shape[0]
+  num_prompts, b = prompt_qp.shape[0], batch_size
   target_cache, draft_cache, last_two, features_b2d = prefill(
       target_params, target_config, draft, draft_params, prompt_qp[:b],
       prompt_lengths_q[:b], cache_len, prefill_chunk)
