@@ -291,6 +291,11 @@ def test_shipped_head_registration(toy_runs, monkeypatch, tmp_path):
   key = ("tiny", os.path.join(artifacts.PACKAGE_DIR, "assets/drafts/x"), "toy")
   assert build.DEFAULT_HEADS == {key: str(assets / "toy-head")}
   assert build.HEAD_LOADER == [head_io.load_head_folder]
+  # `training --ship_as` refuses, before training, a name that would not be the default.
+  with pytest.raises(ValueError, match="--ship_as=other: .*toy-head is the shipped default"):
+    artifacts.check_ship_as("other", "tiny", key[1], "toy")
+  artifacts.check_ship_as("toy-head", "tiny", key[1], "toy")  # replaces it
+  artifacts.check_ship_as("other", "tiny", key[1], "gsm8k")  # no head for that task yet
 
 
 def test_ppo_epochs_keep_the_learning_rate_until_the_last_step(tmp_path):

@@ -4,14 +4,15 @@
       --train.total_steps=30 --train.max_new_tokens=64 [--ship_as=smollm2-self4-gsm8k]
 
 --ship_as copies the trained head folder to diversed_jax/assets/heads/<name>, where
-training.artifacts registers it as the default head for (target, draft, task).
+training.artifacts registers it as the default head for (target, draft, task); a name
+other than that of the folder already shipped for the same triple is refused before
+training (use that folder's name to replace its head).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -48,13 +49,18 @@ def check_flags():
   if _SHOTS.value and task.name == "humaneval":
     raise app.UsageError("--shots: humaneval has no train split to draw few-shot examples "
                          "from")
+  from diversed_jax.evaluation import validate
+  with cli.usage_errors():  # a typo would fail only after the target loads
+    validate.check_model("--target", _TARGET.value)
+    if _DRAFT.value is not None:
+      validate.check_model("--draft", _DRAFT.value, allow_self=True)
   return task
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  from diversed_jax import cli
+  from diversed_jax import atomic_files, cli
   from diversed_jax.parallel import hosts
   with cli.usage_errors():
     hosts.initialize_distributed()  # first: before anything touches a device
@@ -68,6 +74,9 @@ def main(argv):
 
   target = loading.load_model(_TARGET.value)
   draft, draft_params, draft_spec = build.load_draft(_DRAFT.value, target)
+  if _SHIP_AS.value:  # before training: a head another folder outranks is no default
+    with cli.usage_errors():
+      artifacts.check_ship_as(_SHIP_AS.value, target.name, draft_spec, task.name)
   if _MAX_WORDS.value is not None:
     task = dataclasses.replace(task, max_source_words=_MAX_WORDS.value)
   examples = task.load(source=_SOURCE.value, split=_SPLIT.value, limit=_LIMIT.value)
@@ -85,8 +94,8 @@ def main(argv):
   if _SHIP_AS.value:
     dest = os.path.join(artifacts.ASSETS, _SHIP_AS.value)
     os.makedirs(dest, exist_ok=True)
-    for name in ("head.json", "params.npz"):
-      shutil.copyfile(os.path.join(folder, name), os.path.join(dest, name))
+    for name in ("params.npz", "head.json"):  # head.json last: it makes a head folder
+      atomic_files.copy_file(os.path.join(folder, name), os.path.join(dest, name))
     print(f"shipped: {dest}", flush=True)
 
 

@@ -72,6 +72,19 @@ def shipped_heads(assets: str | None = None) -> dict[tuple[str, str, str], str]:
   return out
 
 
+def check_ship_as(name: str, target_name: str, draft_spec: str, task: str) -> None:
+  """Raises ValueError when a head shipped as `name` would not be the default for
+  (target, draft spec as build.load_draft resolved it, task): another shipped folder is,
+  and the first in name order wins (`shipped_heads`)."""
+  from diversed_jax.speculative import build
+  taken = build.shipped_head(target_name, draft_spec, task)
+  if taken and os.path.basename(taken) != name:
+    raise ValueError(f"--ship_as={name}: {taken} is the shipped default head for "
+                     f"({target_name}, {draft_spec}, {task}); ship as "
+                     f"--ship_as={os.path.basename(taken)} to replace it, or remove that "
+                     "folder")
+
+
 def register() -> None:
   from diversed_jax.speculative import build
   if load_head_folder not in build.HEAD_LOADER:

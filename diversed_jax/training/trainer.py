@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diversed_jax import atomic_files
 from diversed_jax.digest import folder_digest
 from diversed_jax.parallel import hosts
 from diversed_jax.parallel import mesh as mesh_lib
@@ -115,6 +116,31 @@ def _scalar(x) -> float:
   return float(np.asarray(x))
 
 
+def _resume(ckpt: Checkpointer | None, state) -> tuple[Any, int, int]:
+  """(state, step, data position) of the latest checkpoint, else (`state`, 0, 0). Process 0
+  keeps the checkpoints (`ckpt` None elsewhere); every process continues from its state."""
+  counters = np.zeros((2,), np.int64)
+  latest = ckpt.latest_step() if ckpt else None
+  if latest is not None:
+    state, meta = ckpt.restore(latest, state)
+    counters = np.asarray([meta["step"], meta["data_pos"]], np.int64)
+  state, counters = hosts.broadcast((state, counters))
+  return state, int(counters[0]), int(counters[1])
+
+
+def _step_record(metrics, rewards_b: np.ndarray, roll, seconds: float) -> dict[str, float]:
+  """One logged step: the update's metrics, the rollouts' rewards and decoding figures."""
+  s = roll.summary
+  return {**{k: _scalar(v) for k, v in hosts.fetch(metrics).items()},
+          "reward": float(rewards_b.mean()), "reward_std": float(rewards_b.std()),
+          "acceptance_rate": float(s["acceptance_rate"]),
+          "tokens_per_round": float(s["tokens_per_round"]),
+          "w_mean_committed": float(s["w_mean_committed"]),
+          "gen_tokens": float(roll.num_tokens), "tokens_per_s": float(s["tokens_per_s"]),
+          "rollout_seconds": float(s["seconds"]),
+          "compile_seconds": float(s["compile_seconds"]), "step_seconds": seconds}
+
+
 def ppo_update(train_step, params, opt_state, batch, epochs: int):
   """`epochs` train_step updates on one batch -> (params, opt_state, metrics).
 
@@ -141,10 +167,7 @@ def drop_logged_after(path: str, step: int) -> None:
   kept = [line for line in lines if _logged_step(line) <= step]
   if len(kept) == len(lines):
     return
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
-  os.replace(tmp, path)
+  atomic_files.write_lines(path, kept)
 
 
 def _logged_step(line: str) -> float:
@@ -237,17 +260,9 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
   optimizer = make_optimizer(hp.learning_rate, hp.warmup_steps * hp.ppo_epochs,
                              hp.total_steps * hp.ppo_epochs, hp.weight_decay, hp.grad_clip)
   state = jax.device_get({"params": params, "opt_state": optimizer.init(params), "key": key})
-  counters = np.zeros((2,), np.int64)  # step, data position
-
   ckpt = (Checkpointer(os.path.join(workdir, "checkpoints"), hp.keep_checkpoints)
           if writer else None)
-  latest = ckpt.latest_step() if ckpt else None
-  if latest is not None:
-    state, meta = ckpt.restore(latest, state)
-    counters = np.asarray([meta["step"], meta["data_pos"]], np.int64)
-  # Process 0 keeps the checkpoints; every process continues from its state.
-  state, counters = hosts.broadcast((state, counters))
-  step, data_pos = (int(c) for c in counters)
+  state, step, data_pos = _resume(ckpt, state)
   if step and progress and writer:
     progress(f"resumed from {workdir}/checkpoints at step {step} (data position {data_pos})")
   params, opt_state = placement.params((state["params"], state["opt_state"]))
@@ -291,16 +306,7 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
       step += 1
 
       if step % hp.log_every == 0 or step == hp.total_steps:
-        s = roll.summary
-        last = {k: _scalar(v) for k, v in hosts.fetch(metrics).items()}
-        last.update(
-            reward=float(rewards_b.mean()), reward_std=float(rewards_b.std()),
-            acceptance_rate=float(s["acceptance_rate"]),
-            tokens_per_round=float(s["tokens_per_round"]),
-            w_mean_committed=float(s["w_mean_committed"]),
-            gen_tokens=float(roll.num_tokens), tokens_per_s=float(s["tokens_per_s"]),
-            rollout_seconds=float(s["seconds"]), compile_seconds=float(s["compile_seconds"]),
-            step_seconds=time.perf_counter() - start)
+        last = _step_record(metrics, rewards_b, roll, time.perf_counter() - start)
         logger.log(step, hp.total_steps, last)
       if step % hp.checkpoint_every == 0 or step == hp.total_steps:
         state = hosts.fetch({"params": params, "opt_state": opt_state, "key": key})
