@@ -11,6 +11,7 @@ import pytest
 from diversed_jax.evaluation import config_io, context, methods, presets
 from diversed_jax.evaluation.validate import validate
 from diversed_jax.speculative import build
+from diversed_jax.tasks.registry import get_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("default", "gsm8k", "cnndm", "xsum", "mbpp", "humaneval")
@@ -224,6 +225,17 @@ def test_gsm8k_local_jsonl_override(tmp_path):
     ("diversed_jax.distill", ["--config=configs/distill_smollm2.py", "--config.workdir={tmp}",
                               "--config.target=/nonexistent/model", "--config.train.batch=0"],
      "config.train.batch=0 is invalid"),
+    # Model names and folders, before the target loads.
+    ("diversed_jax.training", ["--workdir={tmp}", "--target=/nonexistent/model"],
+     "--target='/nonexistent/model': not a registered model name"),
+    ("diversed_jax.training", ["--workdir={tmp}", "--draft=slef:4"],
+     "--draft='slef:4': not a registered model name"),
+    ("diversed_jax.distill", ["--config=configs/distill_smollm2.py", "--config.workdir={tmp}",
+                              "--config.target=/nonexistent/model"],
+     "config.target='/nonexistent/model': not a registered model name"),
+    ("diversed_jax.distill", ["--config=configs/distill_smollm2.py", "--config.workdir={tmp}",
+                              "--config.train.init_from={tmp}"],
+     "config.train.init_from="),
     # A mesh of more devices than visible (the test runs on one).
     ("diversed_jax.training", ["--workdir={tmp}", "--target=/nonexistent/model",
                                "--train.mesh_data=2"],
@@ -400,3 +412,13 @@ def test_bad_seeds_repeated_settings_and_training_on_the_evaluated_split_are_ref
     overrides, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     validate(_load("gsm8k", **overrides))
+
+
+def test_prompts_refuse_shots_that_are_evaluated_examples():
+  # The last guard, where the evaluated slice and the shots meet (evaluate and bench):
+  # a shot among the examples would show its own solved answer in the prompt.
+  config = _load("gsm8k", **{"task.num_shots": 2})
+  shots = context.prompt_shots(config)
+  task = get_task("gsm8k")
+  with pytest.raises(ValueError, match="is also an evaluated example"):
+    context.encode_prompts(config, task, shots[:1], tokenizer=None)

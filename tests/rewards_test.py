@@ -12,9 +12,9 @@ from diversed_jax.tasks.registry import get_task
 # slow by design (MBPP 123 sums amicable numbers below 10,000 in ~2-5 s).
 REFERENCE_TIMEOUT_S = 30.0
 WORKERS = 2
-# MBPP references that fail under the harness (setup code, then code, then asserts): their
-# test_setup_code builds trees with `Node(...)` before the solution defines class Node.
-MBPP_KNOWN_FAILING = {"367", "927"}
+# MBPP tasks whose test_setup_code builds trees with the solution's own `Node` class: they
+# pass only with the setup after the code (code.mbpp_program).
+MBPP_SETUP_USES_SOLUTION = {"367", "927"}
 # Set to run all 974 MBPP tasks instead of the fixed sample (~1 minute on 2 busy cores).
 FULL = os.environ.get("DIVERSED_FULL_BENCH_TESTS") == "1"
 
@@ -75,6 +75,19 @@ def test_rouge_matches_rouge_score():
   assert scores["rouge2"] == pytest.approx(2 / 3)
 
 
+def test_summary_reward_stops_where_the_completion_runs_on_into_a_new_article():
+  reference = "Police arrested a man in Boston.\nHe was charged with theft."
+  summary = "A man was arrested by police in Boston.\nHe was charged with theft."
+  alone = summarization.summarization_reward(summary, reference)
+  for run_on in ("\n\nArticle: The city council met on Tuesday to discuss the new budget.",
+                 "\nSUMMARY: The council voted on the budget for the coming year.",
+                 "\n\n  article : Rain fell all week in the north of the country."):
+    assert summarization.summarization_reward(summary + run_on, reference) == alone
+  # The first line may repeat the prompt's header; a mid-line 'summary:' is the text's.
+  assert summarization.own_summary("Summary: A man.\nArticle: x") == "Summary: A man."
+  assert summarization.own_summary(" A summary: of it.\nMore. ") == "A summary: of it.\nMore."
+
+
 def test_extract_code():
   assert code.extract_code("Here:\n```python\ndef f():\n  return 1\n```\nDone") == (
       "def f():\n  return 1")
@@ -84,6 +97,18 @@ def test_extract_code():
   assert code.extract_code(two, entry_point="f") == "def f(): pass"
   assert code.extract_code("```python\ndef f():\n    return 2\n") == "def f():\n    return 2"
   assert code.extract_code("    return x + 1\n") == "    return x + 1"
+  # A bare fence after code closes it (a base model's body, then ``` and prose): the code
+  # before it, not the prose after it, whatever follows.
+  body = "    for x in xs:\n        if x:\n            return True\n    return False\n"
+  assert code.extract_code(body + "```\n\nThis function checks pairs.") == body.rstrip()
+  assert code.extract_code(body + "```\nUsage:\n```python\nprint(f([1]))\n```", "f") == (
+      body.rstrip())
+  whole = "def f(xs):\n" + body
+  assert code.extract_code(whole + "```\nDone.", "f") == whole.rstrip()
+  # A fence after prose, or with a language tag, opens a block.
+  assert code.extract_code("Sure! Here it is:\n```\nx = 1\n```\nBye") == "x = 1"
+  assert code.extract_code("x = 0\n```python\nx = 1\n```") == "x = 1"
+  assert code.extract_code("Answer\n```\nx = 1\n```") == "x = 1"  # one word: prose
 
 
 def _run(programs):
@@ -107,15 +132,17 @@ def test_humaneval_completion_forms_and_wrong_solutions():
   programs, expected = [], []
   for i, ex in enumerate(picked):
     prompt, solution = ex.source_text, ex.meta["solution"]
-    # An instruct model's fenced whole function, and a base model's body followed by
-    # rambling that the stop sequences must cut off: both pass.
+    # An instruct model's fenced whole function, a base model's body followed by
+    # rambling that the stop sequences must cut off, and one that closes a fence it never
+    # opened and explains: all pass.
     programs.append(code.build_program(f"Sure!\n```python\n{prompt}{solution}```\n", ex))
     programs.append(code.build_program(f"{solution}\n\ndef unrelated(:\n  oops", ex))
+    programs.append(code.build_program(f"{solution}\n```\n\nThis function checks pairs.", ex))
     # Another task's solution, and a body that returns nothing: both fail.
     other = picked[(i + 1) % len(picked)].meta["solution"]
     programs.append(code.build_program(other, ex))
     programs.append(code.build_program("    return None\n", ex))
-    expected += [True, True, False, False]
+    expected += [True, True, True, False, False]
   results = _run(programs)
   assert [r.passed for r in results] == expected
 
@@ -124,18 +151,26 @@ def _mbpp_sample():
   examples = datasets.load_examples("mbpp", split="all")
   if FULL:
     return examples
-  # A fixed ~20% sample across all four splits; it holds both known failures.
+  # A fixed ~20% sample across all four splits; it holds both tasks whose setup uses the
+  # solution.
   return [ex for ex in examples if int(ex.id) % 5 == 2]
 
 
 def test_mbpp_reference_solutions_pass():
   examples = _mbpp_sample()
-  assert len(examples) >= 100 and MBPP_KNOWN_FAILING <= {ex.id for ex in examples}
+  assert len(examples) >= 100 and MBPP_SETUP_USES_SOLUTION <= {ex.id for ex in examples}
   results = _run([code.build_program(ex.meta["solution"], ex) for ex in examples])
-  assert set(_failures(examples, results)) == MBPP_KNOWN_FAILING
-  for ex, r in zip(examples, results):
-    if ex.id in MBPP_KNOWN_FAILING:
-      assert "NameError: name 'Node' is not defined" in r.stderr_tail
+  assert _failures(examples, results) == {}
+
+
+def test_mbpp_setup_code_runs_after_the_solution():
+  # Setups that build trees of the solution's `Node` class need it defined first.
+  assert code.mbpp_program("code", ["assert t"], "setup\n") == "code\nsetup\n\nassert t\n"
+  examples = [ex for ex in datasets.load_examples("mbpp", split="all")
+              if ex.id in MBPP_SETUP_USES_SOLUTION]
+  assert len(examples) == 2 and all("Node(" in ex.meta["test_setup_code"] for ex in examples)
+  results = _run([code.build_program(ex.meta["solution"], ex) for ex in examples])
+  assert _failures(examples, results) == {}
 
 
 def test_sanitized_mbpp_reference_solutions_pass():

@@ -3,11 +3,12 @@
 import dataclasses
 import json
 import os
+import types
 
 import pytest
 
 from diversed_jax import tokenizer as tokenizer_lib
-from diversed_jax.tasks import datasets, gsm8k, prompts
+from diversed_jax.tasks import datasets, gsm8k, prompts, registry
 from diversed_jax.tasks.datasets import Example
 from diversed_jax.tasks.registry import TASK_NAMES, Task, get_task
 
@@ -119,6 +120,31 @@ def test_local_file_errors_name_the_problem(tmp_path):
     datasets.load_examples("gsm8k", split="validation")
   with pytest.raises(ValueError, match="nothing is shipped"):
     datasets.load_examples("xsum")
+
+
+def test_bad_limits_splits_and_repeated_ids_are_refused(tmp_path):
+  # limit=-1 would drop the last example, limit=0 keep none.
+  for limit in (0, -1):
+    with pytest.raises(ValueError, match=rf"limit={limit}: must be >= 1"):
+      datasets.load_examples("gsm8k", limit=limit)
+  assert len(datasets.load_examples("gsm8k", limit=1)) == 1
+  # An unknown split of the sanitized set kept every record.
+  with pytest.raises(ValueError, match=r"split 'tset'.*\['prompt', 'test'"):
+    datasets.load_examples("mbpp", source="sanitized", split="tset")
+  from diversed_jax.evaluation import config_io, validate
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config = config_io.load_config(os.path.join(root, "configs", "mbpp.py"),
+                                 {"task.source": "sanitized", "task.split": "tset"})
+  with pytest.raises(ValueError, match=r"task.split='tset': the shipped sanitized mbpp"):
+    validate.validate(config)
+  # Results are keyed by id: a file repeating one is refused, naming the id and the file.
+  records = [{"id": "a1", "document": "One.", "summary": "1."},
+             {"id": "a2", "document": "Two.", "summary": "2."},
+             {"id": "a1", "document": "Three.", "summary": "3."}]
+  path = _write_jsonl(tmp_path / "dup.jsonl", records)
+  with pytest.raises(ValueError, match=r"id 'a1' appears more than once in .*dup.jsonl"):
+    datasets.load_examples("xsum", source=path)
+  assert [e.id for e in datasets.load_examples("xsum", source=path, limit=2)] == ["a1", "a2"]
 
 
 def test_hub_failure_suggests_a_local_file(monkeypatch):
@@ -253,6 +279,33 @@ def test_local_sources_and_where_shots_come_from(tmp_path):
                                                                    "train")
 
 
+def test_shots_that_are_evaluated_examples_are_refused(tmp_path):
+  from diversed_jax.evaluation import validate
+  # A copy of the whole MBPP file read as the evaluated data holds the shots (ids 2, 3, 4).
+  copy = tmp_path / "mbpp_full.jsonl"
+  copy.write_bytes(open(datasets.shipped_path("mbpp", "mbpp.jsonl"), "rb").read())
+  task_cfg = types.SimpleNamespace(name="mbpp", source=str(copy), split="test", num_shots=3)
+  with pytest.raises(ValueError, match=r"task.num_shots=3: .*evaluated data itself"):
+    validate.check_shots_apart(task_cfg)
+  examples = datasets.load_examples("mbpp", source=str(copy), split="test")
+  shots = prompts.load_shots("mbpp", 3)
+  with pytest.raises(ValueError, match=r"task.num_shots=3: few-shot example '2' is also an "
+                                       r"evaluated example \('2', the same id\)"):
+    prompts.check_shots_disjoint(examples, shots)
+  prompts.check_shots_disjoint(examples[10:], shots)  # the test split's slice: apart
+  # Without ids the text tells: a gsm8k file holding a shipped train question.
+  train = datasets.load_examples("gsm8k", split="train", limit=2)
+  path = _write_jsonl(tmp_path / "g.jsonl", [
+      {"question": "An unseen question?", "answer": "#### 1"},
+      {"question": train[1].source_text + "\n", "answer": train[1].meta["solution"]}])
+  evaluated = datasets.load_examples("gsm8k", source=path, split="train")
+  with pytest.raises(ValueError, match=r"'gsm8k/train/1'.*the same text"):
+    prompts.check_shots_disjoint(evaluated, train)
+  # Positional ids name places: the same one over other texts is no leak.
+  prompts.check_shots_disjoint(evaluated[:1], train)
+  prompts.check_shots_disjoint(examples, [])
+
+
 def test_encode_prompt_chat_and_base():
   chat_tok = FakeTokenizer(chat_template="{{ messages }}")
   ids = tokenizer_lib.encode_prompt(chat_tok, "Hi")
@@ -274,11 +327,16 @@ def test_registry():
                      "mbpp": "pass@1", "humaneval": "pass@1"}
   for name in TASK_NAMES:
     assert get_task(name).fields
+  # One list of names: the registry's tasks are the loaders' (datasets.TASKS).
+  assert tuple(registry._TASKS) == TASK_NAMES == datasets.TASKS
   # Budgets and sources are the configs' (decode.max_new_tokens, task.source): a Task
   # carries only what its methods read, and the version of its scoring (fingerprints).
   assert [f.name for f in dataclasses.fields(Task)] == [
       "name", "fields", "metric", "max_source_words", "eval_split", "scoring_version"]
   assert get_task("gsm8k").scoring_version == 1  # the session-51 answer extraction
+  # Summaries cut before a new 'Article:' / 'Summary:' line the completion runs on into.
+  assert get_task("cnndm").scoring_version == get_task("xsum").scoring_version == 1
+  assert get_task("mbpp").scoring_version == get_task("humaneval").scoring_version == 1
   assert get_task("xsum").fields["source_text"] == "document"
   with pytest.raises(ValueError, match=r"unknown task 'gsm'.*\['gsm8k', 'cnndm'"):
     get_task("gsm")

@@ -60,6 +60,7 @@ def encode_prompts(config, task: Task, examples, tokenizer, log=print) -> list[l
   the example's text); how many were shortened is logged. A budget below the template and
   instruction alone keeps the prompt's last ids, with a warning naming the field."""
   shots = prompt_shots(config)
+  prompts_lib.check_shots_disjoint(examples, shots)  # a shot must not be an answer key
   cap = config.task.max_prompt_tokens
   out, shortened, headless = [], 0, []
   for example in examples:

@@ -6,6 +6,7 @@ e.g. "decode.temperature=-1.0: must be >= 0 (0 = greedy)".
 
 from __future__ import annotations
 
+import filecmp
 import math
 import os
 
@@ -15,10 +16,9 @@ from diversed_jax.speculative import build
 from diversed_jax.speculative.decoder import MATMUL_PRECISIONS
 from diversed_jax.speculative.types import CASCADE_RULES, DIVERGENCES
 from diversed_jax.tasks import datasets, prompts
-from diversed_jax.tasks.datasets import is_local
+from diversed_jax.tasks.datasets import TASKS, is_local
 
 MODES = ("eval", "train", "train_and_eval", "distill", "bench")
-TASKS = ("gsm8k", "cnndm", "xsum", "mbpp", "humaneval")
 # Which `task.fields` entries a task's loader reads.
 TASK_FIELDS = {
     "gsm8k": ("id", "source_text", "reference"),
@@ -92,6 +92,9 @@ def _check_task(config) -> None:
   source = t.source
   if source and is_local(source) and not os.path.isfile(os.path.expanduser(source)):
     _fail("task.source", source, "no such file (a local .jsonl/.json file or a hub name)")
+  if t.name == "mbpp" and source == "sanitized" and t.split not in SHIPPED_SPLITS["mbpp"]:
+    _fail("task.split", t.split, f"the shipped sanitized mbpp set has splits "
+          f"{list(SHIPPED_SPLITS['mbpp'])}")
   if not source:
     if not SHIPPED_SPLITS[t.name]:
       _fail("task.source", source, f"no sample of {t.name} is shipped: give a hub name or a "
@@ -129,10 +132,13 @@ def check_shots_apart(task_cfg) -> None:
     return
   shot_source, shot_split = prompts.shot_origin(t.name, t.source or None)
   if t.source and is_local(t.source):
-    # Shots come from the shipped file: a copy of it given as the source is the same data.
+    # Shots come from the shipped file: a copy of it given as the source is the same data
+    # (a copy under another name too; an edited copy is left to prompts.check_shots_disjoint,
+    # once the examples are loaded).
     shipped = datasets.shipped_split_path(t.name, shot_split)
-    same = bool(shipped) and os.path.realpath(os.path.expanduser(t.source)) == (
-        os.path.realpath(shipped))
+    source = os.path.expanduser(t.source)
+    same = bool(shipped) and (os.path.realpath(source) == os.path.realpath(shipped) or (
+        os.path.isfile(source) and filecmp.cmp(source, shipped, shallow=False)))
   else:
     # MBPP's 'all' split holds every other split, the shots' included.
     same = shot_source == (t.source or None) and (

@@ -68,9 +68,12 @@ def greedy_tokens_per_round(decoder, prompts, num_draft: int, max_new_tokens: in
 
   Deterministic, so it ranks drafts of one architecture by batch-1 speed without timing
   noise: their rounds cost the same, and a greedy round's output is plain decoding's.
+  No rounds (nothing decoded) give 0.0, as `summarize`'s tokens_per_round.
   """
+  if not len(prompts):
+    raise ValueError("prompts: empty; greedy_tokens_per_round needs at least one prompt")
   generation = decoder.generate(prompts, VerifyParams(method="sd", temperature=0.0),
                                 num_draft=num_draft, max_new_tokens=max_new_tokens,
                                 batch_size=1)
   rounds = sum(len(accepted) for accepted in generation.accepted_per_round)
-  return generation.num_tokens / rounds
+  return generation.num_tokens / max(rounds, 1)

@@ -200,16 +200,23 @@ def load_examples(task: str, source: str | None = None, split: str = "test",
     {'source_text': 'document', 'reference': 'summary'} (canonical names: id, source_text,
     reference, and mbpp test_list / test_setup_code / solution, humaneval entry_point /
     solution).
-  limit: keep the first `limit` examples.
-  Raises ValueError (unknown task or split, missing field), FileNotFoundError (local path),
-  RuntimeError (hub unreachable, with a hint to use a local file).
+  limit: keep the first `limit` examples (>= 1; None = all).
+  Raises ValueError (unknown task or split, missing field, limit < 1, an id repeated in a
+  file), FileNotFoundError (local path), RuntimeError (hub unreachable, with a hint to
+  use a local file).
   """
   if task not in _LAYOUTS:
     raise ValueError(f"unknown task {task!r}; choose one of {list(TASKS)}")
+  if limit is not None and limit < 1:
+    # A negative limit would drop examples from the end, 0 would keep none.
+    raise ValueError(f"limit={limit!r}: must be >= 1 (None = all examples)")
   layout = _LAYOUTS[task]
   mapping = dict(layout.fields)
   mbpp_range = None
   if source == "sanitized" and task == "mbpp":
+    if split not in layout.shipped:  # an unknown split would keep every record
+      raise ValueError(f"mbpp: split {split!r} of the sanitized set: choose one of "
+                       f"{list(layout.shipped)}")
     origin = shipped_path(task, "sanitized-mbpp.json")
     records = _read_local(origin)
     mbpp_range = MBPP_SPLITS.get(split)
@@ -236,5 +243,18 @@ def load_examples(task: str, source: str | None = None, split: str = "test",
     records = [r for r in records if low <= int(r["task_id"]) <= high]
   if limit is not None:
     records = records[:limit]
-  return [_to_example(task, r, mapping, layout.optional, origin, i, split)
-          for i, r in enumerate(records)]
+  examples = [_to_example(task, r, mapping, layout.optional, origin, i, split)
+              for i, r in enumerate(records)]
+  if not origin.startswith("hub:"):  # a file: its ids are the user's to fix
+    _check_unique_ids(examples, origin)
+  return examples
+
+
+def _check_unique_ids(examples: list[Example], origin: str) -> None:
+  # Results and resumed runs are keyed by example id: a repeated one would be scored once.
+  seen = set()
+  for ex in examples:
+    if ex.id in seen:
+      raise ValueError(f"{ex.task}: example id {ex.id!r} appears more than once in {origin}; "
+                       "ids key the results, so each must be unique")
+    seen.add(ex.id)

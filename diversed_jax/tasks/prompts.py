@@ -141,6 +141,32 @@ def load_shots(task: str, k: int, source: str | None = None, split: str = "train
   return datasets.load_examples(task, source=source, split=split, limit=k, fields=fields)
 
 
+def check_shots_disjoint(examples: Sequence[Example], shots: Sequence[Example]) -> None:
+  """Raises ValueError when a few-shot example is also one of the evaluated `examples`
+  (the same id, or the same source text): its prompt would show it solved. Positional
+  ids (`task/split/index`, of files without ids) name places, not items: only real ids
+  and texts are compared."""
+  if not shots:
+    return
+  by_id = {e.id: e for e in examples if not _positional_id(e)}
+  by_text = {e.source_text.strip(): e for e in examples}
+  for shot in shots:
+    same = by_id.get(shot.id) if not _positional_id(shot) else None
+    what = "id"
+    if same is None:
+      same, what = by_text.get(shot.source_text.strip()), "text"
+    if same is not None:
+      raise ValueError(
+          f"task.num_shots={len(shots)}: few-shot example {shot.id!r} is also an evaluated "
+          f"example ({same.id!r}, the same {what}): its prompt would show it solved. "
+          "Evaluate other data (task.source / task.split / task.offset) or set "
+          "task.num_shots=0")
+
+
+def _positional_id(example: Example) -> bool:
+  return re.fullmatch(rf"{re.escape(example.task)}/.*/\d+", example.id) is not None
+
+
 def fit_prompt_ids(example: Example, shots: Sequence[Example], tokenizer: Any,
                    max_tokens: int, *, chat: bool = True,
                    max_source_words: int | None = None) -> tuple[list[int], bool]:

@@ -52,22 +52,25 @@ class Task:
     return self.rewards([completion], [example], workers=1)[0]
 
   def rewards(self, completions: Sequence[str], examples: Sequence[Example],
-              workers: int | None = None) -> list[float]:
-    """Rewards of a batch; code tasks run their programs `workers` at a time."""
+              workers: int | None = None, timeout_s: float = code.TIMEOUT_S) -> list[float]:
+    """Rewards of a batch; code tasks run their programs `workers` at a time, each for at
+    most `timeout_s` seconds."""
     if len(completions) != len(examples):
       raise ValueError(f"{len(completions)} completions for {len(examples)} examples")
     if self.name in ("mbpp", "humaneval"):
       programs = [code.build_program(c, e) for c, e in zip(completions, examples)]
-      return code.pass_rewards(programs, workers=workers)
+      return code.pass_rewards(programs, workers=workers, timeout_s=timeout_s)
     score: Callable[[str, str], float] = (
         gsm8k.gsm8k_reward if self.name == "gsm8k" else summarization.summarization_reward)
     return [score(c, e.reference) for c, e in zip(completions, examples)]
 
   def quality(self, completions: Sequence[str], examples: Sequence[Example],
-              workers: int | None = None) -> float:
+              workers: int | None = None, timeout_s: float = code.TIMEOUT_S) -> float:
     """The task metric (`self.metric`) over a batch: the mean reward."""
-    values = self.rewards(completions, examples, workers)
-    return sum(values) / max(1, len(values))
+    if not completions:  # a mean of nothing: 0.0 would read as a measured score
+      raise ValueError(f"{self.name}: quality of 0 completions; pass at least one")
+    values = self.rewards(completions, examples, workers, timeout_s)
+    return sum(values) / len(values)
 
 
 # Generation budgets and data sources are the configs' (decode.max_new_tokens, task.source).
@@ -77,14 +80,19 @@ _TASKS = {
                   scoring_version=1),
     # ~400 words keep a CNN/DM or XSum prompt near 600 tokens: most of the lead, which is
     # where the reference summaries come from, at a prefill cost a CPU run can afford.
+    # Version 1: the completion cut before a new 'Article:' / 'Summary:' line it runs on into.
     "cnndm": Task("cnndm", datasets.default_fields("cnndm"), metric="rouge2",
-                  max_source_words=400),
+                  max_source_words=400, scoring_version=1),
     "xsum": Task("xsum", datasets.default_fields("xsum"), metric="rouge2",
-                 max_source_words=400),
-    "mbpp": Task("mbpp", datasets.default_fields("mbpp"), metric="pass@1"),
-    "humaneval": Task("humaneval", datasets.default_fields("humaneval"), metric="pass@1"),
+                 max_source_words=400, scoring_version=1),
+    # Version 1 (session 52): MBPP's setup code runs after the solution (tasks 367 and 927
+    # define the class their setup builds); a body continuation's closing fence ends it.
+    "mbpp": Task("mbpp", datasets.default_fields("mbpp"), metric="pass@1",
+                 scoring_version=1),
+    "humaneval": Task("humaneval", datasets.default_fields("humaneval"), metric="pass@1",
+                      scoring_version=1),
 }
-TASK_NAMES = tuple(_TASKS)
+TASK_NAMES = datasets.TASKS  # the same names, in the same order (tasks_test checks)
 
 
 def get_task(name: str) -> Task:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -33,6 +34,24 @@ def rouge_l(prediction: str, reference: str) -> float:
   return _scorer("rougeL").score(reference, prediction)["rougeL"].fmeasure
 
 
+# A line that starts a new item of the few-shot format (prompts._summary), where a base
+# or few-shot model runs on past its own summary.
+_NEW_ITEM = re.compile(r"^[ \t]*(article|summary)[ \t]*:", re.IGNORECASE | re.MULTILINE)
+
+
+def own_summary(completion: str) -> str:
+  """The completion up to a new 'Article:' / 'Summary:' line after its first line (the
+  first may repeat the prompt's 'Summary:' header), stripped."""
+  text = completion.strip()
+  first_end = text.find("\n")
+  if first_end >= 0:
+    run_on = _NEW_ITEM.search(text, first_end + 1)
+    if run_on:
+      text = text[:run_on.start()].rstrip()
+  return text
+
+
 def summarization_reward(completion: str, reference: str) -> float:
-  """The RL reward and quality metric: ROUGE-2 F of the completion, in [0, 1]."""
-  return rouge2(completion.strip(), reference)
+  """The RL reward and quality metric: ROUGE-2 F of the completion's own summary (cut
+  where it runs on into a new article, own_summary), in [0, 1]."""
+  return rouge2(own_summary(completion), reference)
