@@ -17,12 +17,16 @@ Layers, outermost first; each is used where this machine allows it (see `isolati
 6. After the run, whatever the outcome: SIGKILL to the process group and to every process
    left in the cgroup, wait until they are gone, then remove the directories.
 7. Passing needs exit status 0 AND the runner's "done" file, written after the program's last
-   line: a completion that calls sys.exit(0) or os._exit(0) before the asserts fails.
+   line: a completion that calls sys.exit(0) or os._exit(0) before the asserts fails. This
+   stops accidental early exits, not a program that means to fake a pass: it runs in the
+   runner's interpreter and can write the file itself (RL reward hacking could find that).
 
 Limits, honestly: without namespaces and cgroups (a container without CAP_SYS_ADMIN, macOS)
 only the guard, the rlimits and the process-group kill remain, and a program that bypasses
 the guard can write wherever the user can, reach the network, and leave `setsid()` children
-behind. Reading files is never restricted. Use a VM or gVisor for adversarial code.
+behind. Reading files is never restricted, and disk use is capped per file (RLIMIT_FSIZE),
+not in total: parallel programs can fill the temporary directory's file system. Use a VM or
+gVisor for adversarial code.
 """
 
 from __future__ import annotations
