@@ -32,6 +32,10 @@ GEMMA3 = ModelConfig(family="gemma3", vocab_size=97, hidden_size=64, num_layers=
                      qk_norm=True, norm_offset=True, embed_scale=True, sandwich_norm=True,
                      activation="gelu_tanh", query_scale=24 ** -0.5, sliding_window=8,
                      sliding_layers=(True, False, True), eos_token_ids=(1, 106))
+MISTRAL = ModelConfig(family="llama", vocab_size=97, hidden_size=64, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=16, intermediate_size=96, tie_embeddings=False,
+                      sliding_window=4, sliding_layers=(True,) * 3, bos_token_id=1,
+                      eos_token_ids=(2,))
 TOKENS_BT = np.random.RandomState(0).randint(0, 97, (2, 12))
 
 
@@ -45,7 +49,7 @@ def _assert_same_params(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GEMMA3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("cfg", [LLAMA, GEMMA3, MISTRAL], ids=["llama", "gemma3", "mistral"])
 def test_sharded_round_trip(tmp_path, cfg):
   params = init.init_params(cfg, jax.random.PRNGKey(1))
   folder = save_hf_folder(cfg, params, str(tmp_path / "m"), max_shard_bytes=30_000)
@@ -58,7 +62,7 @@ def test_sharded_round_trip(tmp_path, cfg):
   np.testing.assert_array_equal(_logits(loaded.config, loaded.params), _logits(cfg, params))
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GEMMA3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("cfg", [LLAMA, GEMMA3, MISTRAL], ids=["llama", "gemma3", "mistral"])
 def test_transformers_reads_saved_folder(tmp_path, cfg):
   params = init.init_params(cfg, jax.random.PRNGKey(2))
   folder = save_hf_folder(cfg, params, str(tmp_path / "m"), max_shard_bytes=100_000)
@@ -80,8 +84,10 @@ def test_single_file_from_hf_config_dict(tmp_path):
   _assert_same_params(loaded.params, transformer.cast_params(params, jnp.bfloat16))
 
 
-def _write_gguf(path, cfg, params, qtype=gguf.GGMLQuantizationType.F32, arch="llama"):
-  """A llama.cpp-style file: HF [out, in] tensors, q/k rows permuted for rotary."""
+def _write_gguf(path, cfg, params, qtype=gguf.GGMLQuantizationType.F32, arch="llama",
+                extra_tensors=None, vocab_size=None, expert_count=None):
+  """A llama.cpp-style file: HF [out, in] tensors, q/k rows permuted for rotary (plus
+  `extra_tensors`, GGUF name -> array; `vocab_size` overrides the metadata's)."""
   from diversed_jax.models import hf_layout
   w = gguf.GGUFWriter(str(path), arch)
   w.add_block_count(cfg.num_layers)
@@ -92,7 +98,9 @@ def _write_gguf(path, cfg, params, qtype=gguf.GGMLQuantizationType.F32, arch="ll
   w.add_head_count_kv(cfg.num_kv_heads)
   w.add_rope_freq_base(cfg.rope_theta)
   w.add_layer_norm_rms_eps(cfg.norm_eps)
-  w.add_vocab_size(cfg.vocab_size)
+  w.add_vocab_size(cfg.vocab_size if vocab_size is None else vocab_size)
+  if expert_count is not None:
+    w.add_expert_count(expert_count)
   w.add_bos_token_id(1)
   w.add_eos_token_id(2)
   names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
@@ -115,6 +123,8 @@ def _write_gguf(path, cfg, params, qtype=gguf.GGMLQuantizationType.F32, arch="ll
       w.add_tensor(names[name], gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
     else:
       w.add_tensor(names[name], arr)
+  for name, arr in (extra_tensors or {}).items():
+    w.add_tensor(name, np.asarray(arr, np.float32))
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
@@ -151,6 +161,36 @@ def test_gguf_unknown_architecture(tmp_path):
               arch="phi3")
   with pytest.raises(ValueError, match="architecture 'phi3' is not supported"):
     load_model(str(tmp_path / "x.gguf"))
+
+
+def _tiny_gguf_config():
+  return LLAMA.__class__(**{**LLAMA.__dict__, "rope_scaling": None})
+
+
+def test_gguf_vocab_size_must_match_the_embedding(tmp_path):
+  cfg = _tiny_gguf_config()
+  _write_gguf(tmp_path / "v.gguf", cfg, init.init_params(cfg, jax.random.PRNGKey(0)),
+              vocab_size=cfg.vocab_size + 3)
+  with pytest.raises(ValueError, match="vocab_size=100 .* the 97 rows of token_embd.weight"):
+    load_model(str(tmp_path / "v.gguf"))
+
+
+def test_gguf_mixture_of_experts_is_refused(tmp_path):
+  cfg = _tiny_gguf_config()
+  experts = {"blk.0.ffn_gate_inp.weight": np.zeros((4, cfg.hidden_size))}
+  _write_gguf(tmp_path / "moe.gguf", cfg, init.init_params(cfg, jax.random.PRNGKey(0)),
+              extra_tensors=experts, expert_count=4)
+  with pytest.raises(ValueError, match="mixture-of-experts"):
+    load_model(str(tmp_path / "moe.gguf"))
+
+
+def test_gguf_tensors_we_do_not_map_are_refused(tmp_path):
+  cfg = _tiny_gguf_config()
+  extra = {"blk.1.attn_output.bias": np.ones(cfg.hidden_size)}
+  _write_gguf(tmp_path / "b.gguf", cfg, init.init_params(cfg, jax.random.PRNGKey(0)),
+              extra_tensors=extra)
+  with pytest.raises(ValueError, match=r"tensors \['blk.1.attn_output.bias'\] are not supported"):
+    load_model(str(tmp_path / "b.gguf"))
 
 
 # --- errors -----------------------------------------------------------------------------
@@ -202,6 +242,53 @@ def test_missing_tensor(tmp_path):
   save_file(tensors, path)
   with pytest.raises(ValueError, match="layers.1.self_attn.v_proj.weight.*missing"):
     load_model(str(tmp_path))
+
+
+def _add_tensors(folder, tensors):
+  path = str(folder / "model.safetensors")
+  save_file({**load_file(path), **tensors}, path)
+
+
+def test_unused_decoder_tensors_are_refused(tmp_path):
+  """A decoder tensor the config has no place for (a bias of o_proj, a layer beyond
+  num_hidden_layers) means a different model: loading without it would be silent."""
+  save_hf_folder(LLAMA, init.init_params(LLAMA, jax.random.PRNGKey(0)), str(tmp_path))
+  _add_tensors(tmp_path, {"model.layers.1.self_attn.o_proj.bias": np.ones(64, np.float32),
+                          "model.layers.3.mlp.up_proj.weight": np.ones((96, 64), np.float32)})
+  with pytest.raises(ValueError, match=r"\['model.layers.1.self_attn.o_proj.bias', "
+                     r"'model.layers.3.mlp.up_proj.weight'\] have no place in the llama"):
+    load_model(str(tmp_path))
+
+
+def test_tensors_outside_the_decoder_are_ignored(tmp_path):
+  """Vision towers, projectors, old rotary buffers and a tied model's stored copy of its
+  embedding (transformers ties over it) are not decoder parameters."""
+  cfg = ModelConfig(**{**LLAMA.__dict__, "tie_embeddings": True})
+  params = init.init_params(cfg, jax.random.PRNGKey(0))
+  save_hf_folder(cfg, params, str(tmp_path))
+  _add_tensors(tmp_path, {
+      "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight": np.ones((4, 4), np.float32),
+      "multi_modal_projector.mm_input_projection_weight": np.ones((4, 4), np.float32),
+      "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32),
+      "lm_head.weight": np.ones((97, 64), np.float32)})
+  _assert_same_params(load_model(str(tmp_path)).params, params)
+
+
+def test_transformers_checkpoints_with_unsupported_biases_are_refused(tmp_path):
+  """Llama's attention_bias=True biases o_proj too; mlp_bias=True the MLP: both refused
+  (they loaded with those biases dropped)."""
+  common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  for key in ("attention_bias", "mlp_bias"):
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **{key: True}))
+    model.save_pretrained(str(tmp_path / key))
+    with pytest.raises(ValueError, match=f"{key}=True is not supported for llama"):
+      load_model(str(tmp_path / key))
+
+
+def test_to_hf_config_refuses_qkv_biases_outside_qwen2():
+  with pytest.raises(ValueError, match="qkv_bias=True has no transformers llama counterpart"):
+    to_hf_config(ModelConfig(**{**LLAMA.__dict__, "qkv_bias": True}))
 
 
 def test_hub_id_offline_says_pass_a_local_path(monkeypatch):

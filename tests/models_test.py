@@ -5,6 +5,7 @@ Tiny random configs of every family (float32): logits within 1e-4 of transformer
 roll-back) equals the full forward.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -48,10 +49,19 @@ def hf_config(name: str):
         **_COMMON, sliding_window=8, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_scaling={"rope_type": "linear", "factor": 4.0})
+  if name == "mistral_window":  # a window on every layer, shorter than SEQ
+    return transformers.MistralConfig(**_COMMON, sliding_window=4, tie_word_embeddings=False)
+  if name == "gemma2_layer_types":  # not Gemma 2's default even/odd pattern
+    return transformers.Gemma2Config(
+        **_COMMON, sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"])
   raise KeyError(name)
 
 
-NAMES = ("llama", "llama3_rope", "llama_tied", "qwen2", "qwen3", "gemma2", "gemma3")
+NAMES = ("llama", "llama3_rope", "llama_tied", "qwen2", "qwen3", "gemma2", "gemma3",
+         "mistral_window")
+# Config switches checked by the logits alone.
+LOGITS_ONLY = ("gemma2_layer_types",)
 
 
 def torch_model(hfc, cfg, params):
@@ -77,7 +87,7 @@ def case(name: str):
   return cfg, params, tokens_bt, ref_btv
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES + LOGITS_ONLY)
 def test_logits_match_transformers(name):
   cfg, params, tokens_bt, ref_btv = case(name)
   logits_btv, hidden_btd, cache = transformer.forward_jit(params, cfg, jnp.asarray(tokens_bt))
@@ -135,6 +145,35 @@ def test_bfloat16_forward_is_close(name):
   assert np.isfinite(logits_btv).all()
   assert np.abs(logits_btv - ref_btv).max() < 0.05 * np.abs(ref_btv).max() + 1e-2
   assert (logits_btv.argmax(-1) == ref_btv.argmax(-1)).mean() >= 0.8
+
+
+def test_exact_gelu_matches_transformers():
+  """hidden_act="gelu" is the exact (erf) GELU, which the tanh form misses by far more than
+  the tolerance at these weights (at the default std 0.02 the two agree within 1e-4)."""
+  hfc = transformers.LlamaConfig(**_COMMON, hidden_act="gelu", tie_word_embeddings=False)
+  cfg = config_lib.from_hf_config(hfc.to_dict())
+  assert cfg.activation == "gelu"
+  params = init.init_params(cfg, jax.random.PRNGKey(0), std=0.3)
+  tokens_bt = np.random.RandomState(0).randint(0, VOCAB, (BATCH, 8))
+  with torch.no_grad():
+    ref_btv = torch_model(hfc, cfg, params)(torch.tensor(tokens_bt)).logits.numpy()
+  logits = lambda c: np.asarray(transformer.forward(params, c, jnp.asarray(tokens_bt))[0])
+  tol = 5e-5  # logits up to ~10; the exact form is ~1e-5 off, the tanh form ~2e-3
+  assert np.abs(logits(cfg) - ref_btv).max() <= tol
+  tanh_cfg = dataclasses.replace(cfg, activation="gelu_tanh")
+  assert np.abs(logits(tanh_cfg) - ref_btv).max() > 20 * tol
+
+
+@pytest.mark.parametrize("unstack", [False, True])
+def test_more_new_tokens_than_cache_slots_is_an_error(unstack):
+  """Writes past the cache's end would be dropped and the attention go wrong, silently."""
+  cfg, params, tokens_bt, _ = case("llama")
+  params = transformer.unstack_layers(params) if unstack else params
+  with pytest.raises(ValueError, match="6 new tokens do not fit a KV cache of 4 slots"):
+    transformer.forward(params, cfg, jnp.asarray(tokens_bt[:, :6]), KVCache.create(cfg, BATCH, 4))
+  _, _, cache = transformer.forward(params, cfg, jnp.asarray(tokens_bt[:, :4]),
+                                    KVCache.create(cfg, BATCH, 4))  # exactly full
+  np.testing.assert_array_equal(cache.lengths_b, [4] * BATCH)
 
 
 def test_truncate_layers_is_the_first_layers():

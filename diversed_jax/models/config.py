@@ -1,7 +1,7 @@
 """Architecture description shared by every supported decoder family.
 
-One frozen, hashable dataclass covers Llama 3.x / SmolLM2, Qwen2 / Qwen2.5, Qwen3,
-Gemma 2 and Gemma 3: the families differ only in the switches below, so a single
+One frozen, hashable dataclass covers Llama 3.x / SmolLM2 / Mistral, Qwen2 / Qwen2.5,
+Qwen3, Gemma 2 and Gemma 3: the families differ only in the switches below, so a single
 pure-functional forward pass (`transformer.py`) serves all of them. Being hashable,
 a `ModelConfig` can be a static argument of `jax.jit`.
 """
@@ -13,6 +13,13 @@ import math
 from typing import Any, Mapping
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+# Keys `rope_frequencies` reads for each scaling type.
+_ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +45,14 @@ class ModelConfig:
     norm_offset: RMSNorm multiplies by (1 + weight) (Gemma).
     embed_scale: multiply embeddings by sqrt(D) (Gemma).
     sandwich_norm: extra norms after attention and MLP (Gemma 2/3).
-    activation: 'silu' or 'gelu_tanh'.
+    activation: 'silu', 'gelu_tanh' (tanh approximation) or 'gelu' (exact, erf).
     query_scale: multiplier of q.k, usually head_dim ** -0.5.
     attn_logit_softcap: tanh soft-cap of attention scores (Gemma 2), or None.
     final_logit_softcap: tanh soft-cap of output logits (Gemma 2), or None.
     sliding_window: window size of local layers, or None.
-    sliding_layers: tuple of bools, one per layer: True where the layer is local.
+    sliding_layers: tuple of bools, one per layer: True where the layer is local. Without
+      it no layer slides, whatever sliding_window says (the window then only keeps
+      attention off the CPU kernel; `from_hf_config` sets neither when no layer slides).
     bos_token_id / eos_token_ids / pad_token_id: special ids (eos may be several).
   """
 
@@ -78,16 +87,32 @@ class ModelConfig:
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f"ModelConfig.family={self.family!r} is not one of {FAMILIES}")
+    for name in ("num_heads", "num_kv_heads", "head_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be >= 1")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
           f"num_kv_heads={self.num_kv_heads}")
-    if self.activation not in ("silu", "gelu_tanh"):
-      raise ValueError(f"ModelConfig.activation={self.activation!r} is not silu or gelu_tanh")
+    if self.head_dim % 2:  # rotary embeddings rotate pairs of dimensions
+      raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE)")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"ModelConfig.activation={self.activation!r} is not one of {ACTIVATIONS}")
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f"ModelConfig.sliding_window={self.sliding_window} must be >= 1 or None")
     if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
       raise ValueError(
           f"ModelConfig.sliding_layers has {len(self.sliding_layers)} entries for "
           f"num_layers={self.num_layers}")
+    if self.rope_scaling is not None:
+      scaling = dict(self.rope_scaling)
+      kind = scaling.get("rope_type")
+      if kind not in _ROPE_SCALING_KEYS:
+        raise ValueError(f"ModelConfig.rope_scaling rope_type={kind!r} is not one of "
+                         f"{tuple(_ROPE_SCALING_KEYS)}")
+      missing = [k for k in _ROPE_SCALING_KEYS[kind] if k not in scaling]
+      if missing:
+        raise ValueError(f"ModelConfig.rope_scaling of rope_type={kind!r} lacks {missing}")
 
   @property
   def scale(self) -> float:
@@ -142,48 +167,116 @@ def _rope_parameters(hf: Mapping[str, Any], family: str):
   return theta, local_theta, tuple(sorted(scaling.items()))
 
 
+_FAMILY_OF_MODEL_TYPE = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+    "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3",
+}
+# config.json keys read below whose absence our fallbacks would get wrong (transformers'
+# defaults differ), by model type; a tuple lists keys any one of which will do. Sparse
+# configs (the text_config of google/gemma-3-4b-it lists only non-defaults) are completed
+# from transformers' config class first.
+_CORE_KEYS = (("vocab_size",), ("hidden_size",), ("num_hidden_layers",),
+              ("num_attention_heads",), ("num_key_value_heads",), ("intermediate_size",))
+_GEMMA_KEYS = (("head_dim",), ("query_pre_attn_scalar",), ("sliding_window",),
+               ("hidden_activation",))
+_REQUIRED_KEYS = {
+    "llama": (), "qwen2": (), "qwen3": (("head_dim",),), "mistral": (("sliding_window",),),
+    "gemma2": _GEMMA_KEYS + (("final_logit_softcapping",), ("attn_logit_softcapping",)),
+    "gemma3": _GEMMA_KEYS + (("rope_parameters", "rope_theta"),
+                             ("rope_parameters", "rope_local_base_freq")),
+}
+_REQUIRED_KEYS["gemma3_text"] = _REQUIRED_KEYS["gemma3"]
+# Model types of multimodal configs -> that of their text_config.
+_TEXT_MODEL_TYPE = {"gemma3": "gemma3_text"}
+# hidden_act / hidden_activation -> ModelConfig.activation (transformers' ACT2FN names).
+_ACTIVATION_OF_HF = {
+    "silu": "silu", "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
+
+
+def _with_defaults(hf: dict, model_type: str) -> dict:
+  """`hf` itself when it holds every key of _REQUIRED_KEYS, else completed by transformers'
+  config class for `model_type` (what transformers would load the checkpoint as)."""
+  missing = [keys[0] for keys in _CORE_KEYS + _REQUIRED_KEYS[model_type]
+             if not any(k in hf for k in keys)]
+  if not missing:
+    return hf
+  try:
+    import transformers
+  except ImportError as err:
+    raise ValueError(f"config.json ({model_type}) lacks {missing}, and transformers, whose "
+                     "defaults they would take, is not installed") from err
+  kwargs = {k: v for k, v in hf.items() if k != "model_type"}
+  # A flat "gemma3" dict holds the text config's fields (the gemma3 class is multimodal).
+  text_type = _TEXT_MODEL_TYPE.get(model_type, model_type)
+  return transformers.AutoConfig.for_model(text_type, **kwargs).to_dict()
+
+
 def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
   """Builds a ModelConfig from a Hugging Face `config.json` dictionary.
 
+  Keys the dictionary leaves out take transformers' defaults for its model type.
+
   Raises:
-    ValueError: for an architecture this package does not implement.
+    ValueError: for an architecture (or a feature of one) this package does not implement.
   """
   hf = dict(hf)
   if "text_config" in hf:  # Gemma 3 multimodal checkpoints nest the LM config.
-    hf = {**hf["text_config"], **{k: v for k, v in hf.items() if k == "eos_token_id"}}
+    outer = hf
+    hf = dict(outer["text_config"] or {})
+    if "eos_token_id" in outer:
+      hf["eos_token_id"] = outer["eos_token_id"]
+    outer_type = outer.get("model_type", "")
+    hf.setdefault("model_type", _TEXT_MODEL_TYPE.get(outer_type, outer_type))
   model_type = hf.get("model_type", "")
-  family = {
-      "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-      "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3",
-  }.get(model_type)
+  family = _FAMILY_OF_MODEL_TYPE.get(model_type)
   if family is None:
     raise ValueError(
         f"config.json model_type={model_type!r} is not supported; supported model types: "
-        "llama, mistral, qwen2, qwen3, gemma2, gemma3, gemma3_text")
+        f"{', '.join(_FAMILY_OF_MODEL_TYPE)}")
+  hf = _with_defaults(hf, model_type)
+  # Qwen2's q/k/v biases are built in; elsewhere attention_bias also biases o_proj.
+  for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
+    if hf.get(key) and not (key == "attention_bias" and family == "qwen2"):
+      raise ValueError(f"config.json {key}=True is not supported for {model_type}")
+  if family == "gemma3" and hf.get("attn_logit_softcapping") is not None:
+    # transformers 5's Gemma 3 attention ignores it; real checkpoints leave it null.
+    raise ValueError(f"config.json attn_logit_softcapping={hf['attn_logit_softcapping']} is "
+                     f"not supported for {model_type}")
   num_heads = hf["num_attention_heads"]
   hidden = hf["hidden_size"]
   head_dim = hf.get("head_dim") or hidden // num_heads
   num_layers = hf["num_hidden_layers"]
   gemma = family in ("gemma2", "gemma3")
   rope_theta, rope_local_theta, scaling = _rope_parameters(hf, family)
-  sliding_window = hf.get("sliding_window") if gemma else None
+  sliding_window = hf.get("sliding_window")
+  layer_types = hf.get("layer_types")
   sliding_layers = None
-  if family == "gemma2":
+  if gemma and layer_types:
+    sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+  elif family == "gemma2":
     sliding_layers = tuple(i % 2 == 0 for i in range(num_layers))
   elif family == "gemma3":
-    if hf.get("layer_types"):
-      sliding_layers = tuple(t == "sliding_attention" for t in hf["layer_types"])
-    else:
-      pattern = hf.get("sliding_window_pattern", 6)
-      sliding_layers = tuple((i + 1) % pattern != 0 for i in range(num_layers))
-  elif hf.get("use_sliding_window") and hf.get("sliding_window"):
+    pattern = hf.get("sliding_window_pattern", 6)
+    sliding_layers = tuple((i + 1) % pattern != 0 for i in range(num_layers))
+  elif model_type == "mistral":  # transformers' Mistral slides on every layer
+    sliding_layers = (True,) * num_layers
+  elif hf.get("use_sliding_window") and sliding_window:
     raise ValueError("config.json use_sliding_window=True is not supported for " + model_type)
+  if sliding_window is None or not any(sliding_layers or ()):
+    sliding_window, sliding_layers = None, None  # no layer slides
 
   query_scale = None
   if gemma:
     query_scale = hf.get("query_pre_attn_scalar", head_dim) ** -0.5
-  act = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
-  activation = "gelu_tanh" if "gelu" in act else "silu"
+  # Gemma's modules read hidden_activation; the others hidden_act.
+  act = hf.get("hidden_activation") if gemma else hf.get("hidden_act", "silu")
+  if act not in _ACTIVATION_OF_HF:
+    key = "hidden_activation" if gemma else "hidden_act"
+    raise ValueError(f"config.json {key}={act!r} is not supported; supported: "
+                     f"{sorted(_ACTIVATION_OF_HF)}")
   return ModelConfig(
       family=family,
       vocab_size=hf["vocab_size"],
@@ -198,12 +291,12 @@ def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
       rope_local_theta=rope_local_theta,
       rope_scaling=scaling,
       tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-      qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+      qkv_bias=family == "qwen2",
       qk_norm=family in ("qwen3", "gemma3"),
       norm_offset=gemma,
       embed_scale=gemma,
       sandwich_norm=gemma,
-      activation=activation,
+      activation=_ACTIVATION_OF_HF[act],
       query_scale=query_scale,
       attn_logit_softcap=hf.get("attn_logit_softcapping") if family == "gemma2" else None,
       final_logit_softcap=hf.get("final_logit_softcapping") if gemma else None,
@@ -213,15 +306,6 @@ def from_hf_config(hf: Mapping[str, Any]) -> ModelConfig:
       eos_token_ids=_eos_tuple(hf.get("eos_token_id")),
       pad_token_id=hf.get("pad_token_id") or 0,
   )
-
-
-def param_count(config: ModelConfig) -> int:
-  d, f, l = config.hidden_size, config.intermediate_size, config.num_layers
-  q = config.num_heads * config.head_dim
-  kv = config.num_kv_heads * config.head_dim
-  per_layer = d * (q + 2 * kv) + q * d + 3 * d * f
-  head = 0 if config.tie_embeddings else d * config.vocab_size
-  return config.vocab_size * d + l * per_layer + head
 
 
 def rope_frequencies(config: ModelConfig, local: bool = False):

@@ -100,6 +100,12 @@ def config_from_metadata(meta: dict, tensor_names, path: str = "") -> ModelConfi
     raise ValueError(
         f"GGUF file {path}: precomputed rotary factors (rope_freqs.weight, Llama 3.1 long "
         "context scaling) are not supported; load the Hugging Face folder instead")
+  experts = sorted(n for n in tensor_names if "_exps." in n or ".ffn_gate_inp." in n)
+  if meta.get(f"{arch}.expert_count") or experts:
+    raise ValueError(
+        f"GGUF file {path}: mixture-of-experts models ({arch}.expert_count="
+        f"{meta.get(f'{arch}.expert_count')}, tensors such as {experts[:2]}) are not "
+        "supported")
 
   def get(key, default=None):
     return meta.get(f"{arch}.{key}", default)
@@ -145,7 +151,8 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict]:
 
   Raises:
     FileNotFoundError: no such file.
-    ValueError: unsupported architecture, missing tensor or shape mismatch.
+    ValueError: unsupported architecture (mixture of experts included), a tensor missing
+      or not mapped, a shape mismatch (vocab_size against token_embd's rows included).
   """
   import gguf  # deferred: only GGUF users pay for the import
 
@@ -154,6 +161,15 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict]:
   reader = gguf.GGUFReader(path)
   tensors = {t.name: t for t in reader.tensors}
   config = config_from_metadata(_fields(reader), tensors, path)
+  unmapped = sorted(n for n in tensors if hf_name(n) is None)
+  if unmapped:  # dropping them would silently change the model
+    raise ValueError(f"GGUF file {path}: tensors {unmapped[:8]} are not supported")
+  if "token_embd.weight" in tensors:
+    rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF's shape is [D, V]
+    if rows != config.vocab_size:
+      raise ValueError(
+          f"GGUF file {path}: vocab_size={config.vocab_size} (from the metadata) does not "
+          f"match the {rows} rows of token_embd.weight")
   by_hf = {hf_name(n): n for n in tensors if hf_name(n) is not None}
   permuted = _ARCHS[config.family]
 

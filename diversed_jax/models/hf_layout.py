@@ -47,6 +47,17 @@ def _strip_prefix(name: str) -> str:
   return re.sub(r"^(language_model\.|model\.language_model\.)", "", name)
 
 
+# Decoder tensors (after _strip_prefix): a checkpoint's vision tower, projector and the
+# like are not ours to read, but a decoder tensor we do not read means a feature we lack.
+_DECODER_TENSOR = re.compile(r"(model\.)?(layers\.\d+|embed_tokens|norm)\.|lm_head\.")
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+  """Decoder tensors that carry nothing: rotary buffers of old checkpoints, and the copy of
+  a tied embedding some checkpoints store as lm_head (transformers ties over it too)."""
+  return "rotary_emb." in name or (config.tie_embeddings and name.startswith("lm_head."))
+
+
 def params_from_hf(config: ModelConfig, get_tensor, names) -> dict:
   """Builds our parameter tree (numpy float32) from HF tensors.
 
@@ -55,14 +66,17 @@ def params_from_hf(config: ModelConfig, get_tensor, names) -> dict:
     names: the tensor names available in the checkpoint.
 
   Raises:
-    ValueError: on a missing tensor or a shape mismatch, naming the tensor.
+    ValueError: on a missing tensor or a shape mismatch, naming the tensor, or on decoder
+      tensors the config does not use (say biases of o_proj), naming them.
   """
   available = {_strip_prefix(n): n for n in names}
   shapes = param_shapes(config)
+  used = set()
 
   def fetch(hf_name, shape, transpose):
     for candidate in (hf_name, "model." + hf_name):
       if candidate in available:
+        used.add(candidate)
         arr = np.asarray(get_tensor(available[candidate]), np.float32)
         if transpose:
           arr = arr.T
@@ -86,6 +100,14 @@ def params_from_hf(config: ModelConfig, get_tensor, names) -> dict:
   }
   if "lm_head" in shapes:
     params["lm_head"] = fetch("lm_head.weight", shapes["lm_head"][::-1], False).T
+  unused = sorted(available[n] for n in available
+                  if n not in used and _DECODER_TENSOR.match(n) and not _ignored(n, config))
+  if unused:
+    more = f" and {len(unused) - 8} more" if len(unused) > 8 else ""
+    raise ValueError(
+        f"checkpoint tensors {unused[:8]}{more} have no place in the {config.family} "
+        f"config (num_layers={config.num_layers}): the checkpoint has parameters this "
+        "package does not implement, or does not match its config.json")
   return params
 
 

@@ -181,10 +181,23 @@ def load_model(spec: str, dtype=jnp.float32) -> LoadedModel:
 
 
 def to_hf_config(config: ModelConfig) -> dict:
-  """A transformers `config.json` dict that `from_hf_config` maps back to `config`."""
+  """A transformers `config.json` dict that `from_hf_config` maps back to `config`.
+
+  Raises:
+    ValueError: q/k/v biases outside Qwen2 (transformers' models then bias o_proj too).
+  """
+  if config.qkv_bias and config.family != "qwen2":
+    raise ValueError(f"ModelConfig.qkv_bias=True has no transformers {config.family} "
+                     "counterpart (its attention_bias also biases o_proj)")
   arch = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
           "qwen3": ("qwen3", "Qwen3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM"),
           "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}[config.family]
+  mistral = config.family == "llama" and config.sliding_window is not None
+  if mistral:
+    if not all(config.layer_is_sliding):  # Mistral slides on every layer
+      raise ValueError(f"ModelConfig.sliding_layers={config.sliding_layers}: a llama-family "
+                       "sliding window must cover every layer (Mistral)")
+    arch = ("mistral", "MistralForCausalLM")
   eos = list(config.eos_token_ids)
   out = {
       "model_type": arch[0], "architectures": [arch[1]],
@@ -193,25 +206,28 @@ def to_hf_config(config: ModelConfig) -> dict:
       "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
       "intermediate_size": config.intermediate_size, "rms_norm_eps": config.norm_eps,
       "rope_theta": config.rope_theta, "tie_word_embeddings": config.tie_embeddings,
-      "attention_bias": config.qkv_bias, "bos_token_id": config.bos_token_id,
+      "bos_token_id": config.bos_token_id,
       "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
       "pad_token_id": config.pad_token_id, "torch_dtype": "float32",
   }
+  if config.family in ("llama", "qwen3") and not mistral:
+    out["attention_bias"] = False
+  if mistral:
+    out["sliding_window"] = config.sliding_window
   if config.rope_scaling is not None:
     out["rope_scaling"] = dict(config.rope_scaling)
-  act = "silu" if config.activation == "silu" else "gelu_pytorch_tanh"
+  act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[config.activation]
   if config.family in ("gemma2", "gemma3"):
     qpas = config.scale ** -2
     out.update(hidden_activation=act, query_pre_attn_scalar=int(round(qpas))
                if abs(qpas - round(qpas)) < 1e-6 else qpas,
                sliding_window=config.sliding_window,
                final_logit_softcapping=config.final_logit_softcap,
-               attn_logit_softcapping=config.attn_logit_softcap)
-    out.pop("attention_bias")
+               attn_logit_softcapping=config.attn_logit_softcap,
+               layer_types=["sliding_attention" if s else "full_attention"
+                            for s in config.layer_is_sliding])
     if config.family == "gemma3":
       out["rope_local_base_freq"] = config.rope_local_theta
-      out["layer_types"] = ["sliding_attention" if s else "full_attention"
-                            for s in config.layer_is_sliding]
   else:
     out["hidden_act"] = act
   return out

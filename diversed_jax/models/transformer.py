@@ -60,7 +60,7 @@ def apply_rope(x_bthd, positions_bt, inv_freq):
 def _activation(config: ModelConfig, x):
   if config.activation == "silu":
     return jax.nn.silu(x)
-  return jax.nn.gelu(x, approximate=True)
+  return jax.nn.gelu(x, approximate=config.activation == "gelu_tanh")
 
 
 def layer_constants(config: ModelConfig):
@@ -158,7 +158,8 @@ def forward_hidden(params: Params, config: ModelConfig, tokens_bt: jax.Array,
   """Runs the decoder over T new tokens per row.
 
   Row b's tokens take positions cache.lengths_b[b] + [0, T) and are written to the cache
-  there. Without a cache, a fresh one of T slots is used (a plain causal forward).
+  there. Without a cache, a fresh one of T slots is used (a plain causal forward). The
+  caller keeps lengths_b + T within the cache's slots (see `decoder_layers`).
 
   Returns:
     hidden_btd: last hidden state after the final norm, [B, T, D].
@@ -183,8 +184,15 @@ def decoder_layers(layers, config: ModelConfig, x_btd: jax.Array,
   cache in either layout (see `KVCache`, `init_cache`); scanned ones a stacked cache (a
   per-layer one is converted, a copy).
   Drafts that build their own inputs (feature drafts) call this directly.
+
+  Raises:
+    ValueError: T exceeds the cache's S slots (at trace time). Rows whose lengths leave
+      fewer than T free slots (known only at run time) are the caller's to avoid: their
+      writes past the end are dropped and their attention goes wrong.
   """
   t = x_btd.shape[1]
+  if t > cache.capacity:
+    raise ValueError(f"{t} new tokens do not fit a KV cache of {cache.capacity} slots")
   positions_bt = cache.lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   inv_freq_l, sliding_l = layer_constants(config)
   if isinstance(layers, (tuple, list)):  # unstacked: see `unstack_layers`
