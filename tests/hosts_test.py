@@ -5,12 +5,14 @@ jit over placed rows all-reduces over both processes."""
 
 import json
 import os
+import re
 import sys
 import textwrap
 
 import pytest
 
 from diversed_jax.parallel import hosts
+from diversed_jax.parallel import mesh as mesh_lib
 from tests import two_processes, xla_flags
 
 _SCRIPT = textwrap.dedent("""
@@ -61,3 +63,16 @@ def test_one_process_is_unchanged():
   tree = {"a": [1, 2], "b": 3.0}
   assert hosts.broadcast(tree) is tree
   assert hosts.fetch({"x": 1.5}) == {"x": 1.5}
+  # Process 0's bytes, or b"" for None, as several processes give them.
+  assert hosts.broadcast_bytes(b"ab") == b"ab" and hosts.broadcast_bytes(None) == b""
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: mesh_lib.data_mesh(0, 8), "decode.mesh_data=0: -1 (all devices) or a positive"),
+    (lambda: mesh_lib.data_mesh(-2, 8, field="train.mesh_data"), "train.mesh_data=-2"),
+    (lambda: mesh_lib.make_mesh(model=0), "mesh model=0 must be >= 1"),
+    (lambda: mesh_lib.make_mesh(data=0), "mesh data=0"),
+])
+def test_mesh_sizes_below_one_are_refused(call, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    call()

@@ -67,7 +67,7 @@ def broadcast_bytes(data: bytes | None) -> bytes:
   """Process 0's `data` on every process (others may pass None); a collective, so every
   process calls it at the same point. One process: `data` itself."""
   if jax.process_count() == 1:
-    return data
+    return data or b""  # as several processes give it
   from jax.experimental import multihost_utils
   mine = np.frombuffer(data or b"", np.uint8)
   size = int(multihost_utils.broadcast_one_to_all(np.asarray(mine.size, np.int64)))

@@ -18,6 +18,9 @@ DATA, MODEL = "data", "model"
 
 def make_mesh(data: int = -1, model: int = 1, devices=None) -> Mesh:
   """A (data, model) mesh; -1 takes all remaining devices."""
+  _check_size("mesh data", data)
+  if model < 1:
+    raise ValueError(f"mesh model={model} must be >= 1")
   devices = list(devices if devices is not None else jax.devices())
   if data == -1:
     if len(devices) % model:
@@ -34,6 +37,7 @@ def data_mesh(data: int, rows: int, field: str = "decode.mesh_data",
   every process), or None where that is one device: the caller then runs unsharded,
   exactly as without a mesh. Raises ValueError naming `field` / `rows_field` when the
   rows do not divide, or when a multi-process job's mesh would leave a process out."""
+  _check_size(field, data)
   count = jax.device_count()
   size = count if data == -1 else data
   if size > count:
@@ -48,6 +52,11 @@ def data_mesh(data: int, rows: int, field: str = "decode.mesh_data",
                      f"of the mesh ({field}={data}), so it must be a "
                      f"multiple of {size}; or set {field}=1 to run on one device")
   return make_mesh(size, devices=jax.devices()[:size])
+
+
+def _check_size(field: str, data: int) -> None:
+  if data != -1 and data < 1:
+    raise ValueError(f"{field}={data}: -1 (all devices) or a positive device count")
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
