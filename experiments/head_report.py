@@ -7,7 +7,8 @@ For each task, the same test prompts are decoded by the speculative loop with
 and the script prints acceptance rate (accepted / drafted), tokens per round, the task quality
 (GSM8K accuracy, CNN/DM ROUGE-2 F), mean w_t and the mean per-token bias TV(nu_t, p_t) =
 (1 - w_t) TV(p_t, q_t) along the generated path (from the loop's record of each committed
-token's laws, `Generation.policy`; 0 for exact SD). A head listed for another task gives the cross-task row.
+token's laws, `Generation.policy`; 0 for exact SD). A head listed for another task gives
+the cross-task row.
 
   python experiments/head_report.py --num_prompts=4 \
       --head=gsm8k:gsm8k-lam0.05:runs/heads/gsm8k_lam0.05/head \
