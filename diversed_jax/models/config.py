@@ -13,7 +13,9 @@ import math
 from typing import Any, Mapping
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+# ModelConfig.activation -> the transformers name `to_hf_config` writes for it.
+HF_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
+ACTIVATIONS = tuple(HF_ACTIVATION)
 # Keys `rope_frequencies` reads for each scaling type.
 _ROPE_SCALING_KEYS = {
     "linear": ("factor",),
@@ -188,12 +190,10 @@ _REQUIRED_KEYS = {
 _REQUIRED_KEYS["gemma3_text"] = _REQUIRED_KEYS["gemma3"]
 # Model types of multimodal configs -> that of their text_config.
 _TEXT_MODEL_TYPE = {"gemma3": "gemma3_text"}
-# hidden_act / hidden_activation -> ModelConfig.activation (transformers' ACT2FN names).
-_ACTIVATION_OF_HF = {
-    "silu": "silu", "swish": "silu",
-    "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-    "gelu": "gelu",
-}
+# hidden_act / hidden_activation -> ModelConfig.activation (transformers' ACT2FN names):
+# HF_ACTIVATION's names, and their aliases.
+_ACTIVATION_OF_HF = {**{hf: ours for ours, hf in HF_ACTIVATION.items()},
+                     "swish": "silu", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
 
 def _with_defaults(hf: dict, model_type: str) -> dict:

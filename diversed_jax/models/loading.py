@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diversed_jax.models import hf_layout, registry, transformer
-from diversed_jax.models.config import ModelConfig, from_hf_config
+from diversed_jax.models.config import HF_ACTIVATION, ModelConfig, from_hf_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -216,7 +216,7 @@ def to_hf_config(config: ModelConfig) -> dict:
     out["sliding_window"] = config.sliding_window
   if config.rope_scaling is not None:
     out["rope_scaling"] = dict(config.rope_scaling)
-  act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[config.activation]
+  act = HF_ACTIVATION[config.activation]
   if config.family in ("gemma2", "gemma3"):
     qpas = config.scale ** -2
     out.update(hidden_activation=act, query_pre_attn_scalar=int(round(qpas))
