@@ -78,7 +78,7 @@ def test_generate_rejects_a_draft_with_another_vocabulary(tiny_model_folder, tmp
 @pytest.mark.parametrize("flags, message", [
     (["--method=sd", "--num_draft=0"], "--num_draft must be >= 1 with --method=sd, got 0"),
     (["--num_draft=-1"], "--num_draft must be >= 0 with --method=ar, got -1"),
-    (["--temperature=-1"], "--temperature must be >= 0, got -1.0"),
+    (["--temperature=-1"], "--temperature must be finite and >= 0, got -1.0"),
     (["--method=lossy", "--lenience=2"], "--lenience must be in (0, 1], got 2.0"),
     (["--max_new_tokens=0"], "--max_new_tokens must be >= 1, got 0"),
     (["--method=smc"], "--temperature must be > 0 with method 'smc', got 0.0"),

@@ -1,6 +1,7 @@
 """The speculative loop end to end on tiny random models, plus the real SmolLM2 (slow)."""
 
 import gc
+import math
 import os
 import re
 import weakref
@@ -243,6 +244,13 @@ def test_bad_loop_specs_are_refused():
     loop.LoopSpec(verify=VerifyParams(method="ar"), num_draft=3)
   with pytest.raises(ValueError, match="record_policy needs a rule .* method='sd'"):
     loop.LoopSpec(verify=VerifyParams(method="sd"), num_draft=3, record_policy=True)
+  # 'ar' calls no rule, so its settings are checked by the spec (NaN once gave garbage).
+  for bad in (math.nan, math.inf, -1.0):
+    with pytest.raises(ValueError, match=re.escape(
+        f"LoopSpec.verify.temperature must be finite and >= 0, got {bad!r}")):
+      loop.LoopSpec(verify=VerifyParams(method="ar", temperature=bad), num_draft=0)
+  with pytest.raises(ValueError, match=re.escape("LoopSpec.verify.top_p must be in (0, 1]")):
+    loop.LoopSpec(verify=VerifyParams(method="ar", top_p=0.0), num_draft=0)
 
 
 @pytest.mark.parametrize("chunk", [64, 12, 6])

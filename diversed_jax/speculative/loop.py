@@ -75,6 +75,8 @@ class LoopSpec:
     object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
     if self.verify.method not in METHODS:
       raise ValueError(f"method={self.verify.method!r} is not one of {METHODS}")
+    # Here, not only in the rules: 'ar' calls none, and would sample from NaN laws.
+    verification.validate_params(self.verify, prefix="LoopSpec.verify.")
     if self.num_draft < 0:
       raise ValueError(f"num_draft={self.num_draft} must be >= 0")
     if self.verify.method != "ar" and self.num_draft == 0:

@@ -66,8 +66,9 @@ def _call(name: str, fn: Callable, args: tuple, kwargs: dict):
 
 
 def saguaro_logits(logits, fanout: int, logit_offset: float):
-  """q' of Saguaro sampling from the draft's logits: its top-`fanout` probabilities (all
-  tied ones where the F-th largest ties) scaled by C and renormalised. At temperature T
+  """q' of Saguaro sampling from the draft's logits: the probabilities of the tokens whose
+  logit is among the `fanout` largest distinct values (more than F tokens where logits
+  tie) scaled by C and renormalised. At temperature T
   that is log-probability + log C on those tokens, so logits + T log C (`logit_offset`)."""
   kth = _kth_largest(logits, fanout)
   return jnp.where(logits >= kth, logits + logit_offset, logits)

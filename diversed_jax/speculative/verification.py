@@ -26,6 +26,7 @@ draws the uniforms and samples, and returns each row's n leading accepts and nex
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import flax.struct
@@ -51,7 +52,7 @@ def validate_params(params: VerifyParams, prefix: str = "VerifyParams.") -> None
   """Raises ValueError naming the first out-of-range field of `params` (as `prefix` + its
   name: a command line names its flags)."""
   checks = (
-      ("temperature", params.temperature >= 0, ">= 0"),
+      ("temperature", 0 <= params.temperature < math.inf, "finite and >= 0"),
       ("top_p", 0 < params.top_p <= 1, "in (0, 1]"),
       ("lenience", 0 < params.lenience <= 1, "in (0, 1]"),
       ("weight", 0 <= params.weight <= 1, "in [0, 1]"),
