@@ -3,6 +3,7 @@ resume after kill -9, head folders and their registration."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from diversed_jax.training import config as config_lib
 from diversed_jax.training import head_io, toy
 from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn, policy_batch
 from tests.teacher_forced import teacher_forced_batch
-from diversed_jax.training.trainer import TIMING_KEYS, drop_logged_after, example_order
+from diversed_jax.training.trainer import (TIMING_KEYS, drop_logged_after, example_order,
+                                           settings_changes, train_head)
 
 TEMPERATURE = 0.8
 
@@ -313,6 +315,35 @@ def test_ppo_epochs_keep_the_learning_rate_until_the_last_step(tmp_path):
   moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                        before["params"], after["params"])
   assert max(jax.tree.leaves(moved)) > 1e-4, moved
+
+
+def test_a_resume_under_other_settings_is_refused(tmp_path):
+  # A resumed run with another lam, schedule or prompt set would mix two runs in one head
+  # (and head.json would record only the second's settings).
+  workdir = str(tmp_path)
+  toy.run(workdir, progress=None, total_steps=2, checkpoint_every=2)
+  for overrides, change in (({"lam": 5.0}, "train.lam=0.1 (now 5.0)"),
+                            ({"total_steps": 3}, "train.total_steps=2 (now 3)")):
+    with pytest.raises(ValueError, match=re.escape(f"was trained with {change}: resume")):
+      toy.run(workdir, progress=None, checkpoint_every=2, **{"total_steps": 2, **overrides})
+  target, draft, draft_params = toy.toy_pair()
+  with pytest.raises(ValueError, match=r"was trained with prompts_digest='\w+' \(now"):
+    train_head(toy.toy_config(total_steps=2, checkpoint_every=2), target=target, draft=draft,
+               draft_params=draft_params, task=toy.toy_task(),
+               examples=toy.toy_examples()[1:], workdir=workdir, draft_spec="toy",
+               eos_token_ids=(), progress=None)
+  # Bookkeeping may change: the finished run's head comes back.
+  folder = toy.run(workdir, progress=None, total_steps=2, checkpoint_every=1, log_every=2)
+  assert head_io.read_head(folder)[2]["steps"] == 2
+
+
+def test_settings_changes_compare_only_what_both_record():
+  saved = {"train": {"lam": 0.1, "seed": 0}, "task": "gsm8k"}
+  assert settings_changes(saved, {"train": {"lam": 0.1, "seed": 0, "new_field": 1},
+                                  "task": "gsm8k", "draft": "x"}) == []
+  assert settings_changes({}, {"train": {"lam": 0.3}}) == []  # written before settings
+  assert settings_changes(saved, {"train": {"lam": 0.3, "seed": 1}, "task": "mbpp"}) == [
+      "task='gsm8k' (now 'mbpp')", "train.lam=0.1 (now 0.3)", "train.seed=0 (now 1)"]
 
 
 # ---------------------------------------------------------------- resume after kill -9

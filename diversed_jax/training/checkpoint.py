@@ -19,7 +19,7 @@ class Checkpointer:
   """Keeps the last `keep` checkpoints under `directory` (one sub-folder per step)."""
 
   def __init__(self, directory: str, keep: int = 2):
-    directory = os.path.abspath(directory)
+    self.directory = directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=False)
     if jax.process_count() > 1:
@@ -34,7 +34,7 @@ class Checkpointer:
 
   def save(self, step: int, state: dict, meta: dict) -> None:
     """state: a pytree of arrays (params, opt_state, key), host values or arrays this
-    process can read whole; meta: JSON-able (step, data_pos)."""
+    process can read whole; meta: JSON-able (step, data_pos, the run's settings)."""
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(jax.device_get(state)), meta=ocp.args.JsonSave(meta)),
         force=True)

@@ -10,7 +10,8 @@ Each step:
   4. ppo_epochs jitted optax updates of rl.losses.diversed_loss (clipped ratio when > 1).
 Metrics go to `progress` (stdout by default), TensorBoard (workdir/tb) and
 workdir/metrics.jsonl; orbax checkpoints go to workdir/checkpoints and a restart resumes from
-the latest one with the same subsequent metrics; the trained head is written to
+the latest one with the same subsequent metrics (one under other settings, bar
+RESUMABLE_CHANGES, is refused); the trained head is written to
 workdir/head (see head_io).
 
 Several devices (train.mesh_data): each step's rows are split over a 'data' mesh, the head
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -51,6 +53,9 @@ from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn, polic
 TIMING_KEYS = ("tokens_per_s", "rollout_seconds", "step_seconds", "compile_seconds")
 # PPO's ratio diagnostics (rl.losses): logged from the last epoch, see ppo_update.
 PPO_RATIO_KEYS = ("ratio_mean", "ratio_max", "ratio_min", "clip_frac", "approx_kl")
+# `train` fields a resumed run may change: bookkeeping and the device layout, not the head
+# it trains. Any other change (seed, lam, total_steps' schedule, the prompts...) is refused.
+RESUMABLE_CHANGES = ("checkpoint_every", "keep_checkpoints", "log_every", "mesh_data")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +121,48 @@ def _scalar(x) -> float:
   return float(np.asarray(x))
 
 
-def _resume(ckpt: Checkpointer | None, state) -> tuple[Any, int, int]:
+def run_settings(train_cfg, *, task: str, target: str, draft_spec: str,
+                 prompts: Sequence[Sequence[int]]) -> dict:
+  """What a run trains under, as JSON values: kept with each checkpoint, so that a resumed
+  run with other settings is refused instead of mixing two runs in one head."""
+  from diversed_jax.training.artifacts import portable_draft_spec
+  train = {k: v for k, v in train_cfg.to_dict().items() if k not in RESUMABLE_CHANGES}
+  prompts_digest = hashlib.sha1(json.dumps([list(map(int, p)) for p in prompts]).encode())
+  return json.loads(json.dumps({
+      "train": train, "task": task, "target": target,
+      "draft": portable_draft_spec(draft_spec), "draft_digest": folder_digest(draft_spec),
+      "prompts_digest": prompts_digest.hexdigest()[:12]}))
+
+
+def settings_changes(saved: dict, current: dict) -> list[str]:
+  """'name=saved (now current)' for each setting both record and disagree on (a field
+  added to the settings after a checkpoint was written is not compared)."""
+  flat = lambda d: {**{f"train.{k}": v for k, v in d.get("train", {}).items()},
+                    **{k: v for k, v in d.items() if k != "train"}}
+  saved, current = flat(saved), flat(current)
+  return [f"{k}={saved[k]!r} (now {current[k]!r})"
+          for k in sorted(saved.keys() & current.keys()) if saved[k] != current[k]]
+
+
+def _resume(ckpt: Checkpointer | None, state, settings: dict) -> tuple[Any, int, int]:
   """(state, step, data position) of the latest checkpoint, else (`state`, 0, 0). Process 0
-  keeps the checkpoints (`ckpt` None elsewhere); every process continues from its state."""
+  keeps the checkpoints (`ckpt` None elsewhere); every process continues from its state.
+  Raises ValueError, on every process, if the checkpoint was trained under other
+  `settings` (checkpoints written before settings were kept are not checked)."""
   counters = np.zeros((2,), np.int64)
+  refusal = ""
   latest = ckpt.latest_step() if ckpt else None
   if latest is not None:
     state, meta = ckpt.restore(latest, state)
     counters = np.asarray([meta["step"], meta["data_pos"]], np.int64)
+    changes = settings_changes(meta.get("settings", {}), settings)
+    if changes:
+      refusal = (f"the checkpoint of step {latest} in {ckpt.directory} was trained with "
+                 f"{', '.join(changes)}: resume with those settings, or train into "
+                 "another workdir")
+  refusal = hosts.broadcast_bytes(refusal.encode()).decode()
+  if refusal:
+    raise ValueError(refusal)
   state, counters = hosts.broadcast((state, counters))
   return state, int(counters[0]), int(counters[1])
 
@@ -262,7 +301,9 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
   state = jax.device_get({"params": params, "opt_state": optimizer.init(params), "key": key})
   ckpt = (Checkpointer(os.path.join(workdir, "checkpoints"), hp.keep_checkpoints)
           if writer else None)
-  state, step, data_pos = _resume(ckpt, state)
+  settings = run_settings(train_cfg, task=task.name, target=getattr(target, "name", ""),
+                          draft_spec=draft_spec, prompts=[prompts[i] for i in usable])
+  state, step, data_pos = _resume(ckpt, state, settings)
   if step and progress and writer:
     progress(f"resumed from {workdir}/checkpoints at step {step} (data position {data_pos})")
   params, opt_state = placement.params((state["params"], state["opt_state"]))
@@ -311,7 +352,7 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
       if step % hp.checkpoint_every == 0 or step == hp.total_steps:
         state = hosts.fetch({"params": params, "opt_state": opt_state, "key": key})
         if ckpt:
-          ckpt.save(step, state, {"step": step, "data_pos": data_pos})
+          ckpt.save(step, state, {"step": step, "data_pos": data_pos, "settings": settings})
   finally:
     logger.close()
     if ckpt:
