@@ -1,7 +1,8 @@
 """Forward-pass parity with transformers' PyTorch models and KV-cache consistency.
 
 Tiny random configs of every family (float32): logits within 1e-4 of transformers on a
-[2, 32] batch; cached decoding (one token at a time, and chunks at per-row offsets after a
+[2, 32] batch (Gemma 2's soft caps set low enough to bind, each moving the logits by over
+10x that); cached decoding (one token at a time, and chunks at per-row offsets after a
 roll-back) equals the full forward.
 """
 
@@ -21,6 +22,7 @@ from diversed_jax.models import (KVCache, config as config_lib, cpu_kernels, hf_
 from tests.q8 import q8_0_weights
 
 VOCAB, BATCH, SEQ = 97, 2, 32
+TOL = 1e-4  # logits against transformers'
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                max_position_embeddings=256)
@@ -43,7 +45,9 @@ def hf_config(name: str):
     return transformers.Qwen3Config(**_COMMON, tie_word_embeddings=False)
   if name == "gemma2":
     return transformers.Gemma2Config(**_COMMON, sliding_window=8, query_pre_attn_scalar=24,
-                                     attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+                                     # Scores at this init are ~0.01-0.1: a cap of 5 would
+                                     # never bind (test_soft_caps_bind checks both do).
+                                     attn_logit_softcapping=0.02, final_logit_softcapping=3.0)
   if name == "gemma3":
     return transformers.Gemma3TextConfig(
         **_COMMON, sliding_window=8, query_pre_attn_scalar=24,
@@ -94,7 +98,19 @@ def test_logits_match_transformers(name):
   assert logits_btv.shape == (BATCH, SEQ, VOCAB) and logits_btv.dtype == jnp.float32
   assert hidden_btd.shape == (BATCH, SEQ, cfg.hidden_size)
   np.testing.assert_array_equal(cache.lengths_b, [SEQ] * BATCH)
-  assert np.abs(np.asarray(logits_btv) - ref_btv).max() <= 1e-4
+  assert np.abs(np.asarray(logits_btv) - ref_btv).max() <= TOL
+
+
+@pytest.mark.parametrize("field", ["attn_logit_softcap", "final_logit_softcap"])
+def test_soft_caps_bind(field):
+  """The gemma2 case's caps move its logits by over 10x TOL: the parity test above would
+  fail if either were dropped or misapplied (a cap of 5 on the attention moved them 1e-6)."""
+  cfg, params, tokens_bt, _ = case("gemma2")
+  assert getattr(cfg, field) is not None
+  capped = np.asarray(transformer.forward_jit(params, cfg, jnp.asarray(tokens_bt))[0])
+  uncapped = np.asarray(transformer.forward_jit(
+      params, dataclasses.replace(cfg, **{field: None}), jnp.asarray(tokens_bt))[0])
+  assert np.abs(capped - uncapped).max() > 10 * TOL
 
 
 @pytest.mark.parametrize("name", NAMES)
