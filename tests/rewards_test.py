@@ -15,7 +15,8 @@ WORKERS = 2
 # MBPP tasks whose test_setup_code builds trees with the solution's own `Node` class: they
 # pass only with the setup after the code (code.mbpp_program).
 MBPP_SETUP_USES_SOLUTION = {"367", "927"}
-# Set to run all 974 MBPP tasks instead of the fixed sample (~1 minute on 2 busy cores).
+# Set to run all 974 MBPP tasks (and all 427 sanitized ones) instead of the fixed samples
+# (~1 minute each on 2 busy cores).
 FULL = os.environ.get("DIVERSED_FULL_BENCH_TESTS") == "1"
 
 
@@ -176,6 +177,11 @@ def test_mbpp_setup_code_runs_after_the_solution():
 def test_sanitized_mbpp_reference_solutions_pass():
   examples = datasets.load_examples("mbpp", source="sanitized", split="all")
   assert len(examples) == 427
+  if not FULL:
+    # The full set's fixed ~20% sample (367 and 927 are not in this set), and every task
+    # whose setup (the sanitized set's test_imports) runs after the solution.
+    examples = [ex for ex in examples if int(ex.id) % 5 == 2 or ex.meta["test_setup_code"]]
+    assert len(examples) >= 90 and sum(bool(ex.meta["test_setup_code"]) for ex in examples) >= 10
   results = _run([code.build_program(ex.meta["solution"], ex) for ex in examples])
   assert _failures(examples, results) == {}
 
