@@ -18,6 +18,7 @@ def load_decoder(target_name: str, draft_spec: str | None):
   target = loading.load_model(target_name)
   tokenizer = tokenizer_lib.load_tokenizer(target_name)
   decoder, info = build.build_decoder(target, draft_spec)
+  print(f"draft {info.get('draft')}, head of 'diversed': {info.get('head')}", flush=True)
   return target, tokenizer, decoder, info
 
 

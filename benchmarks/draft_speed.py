@@ -251,8 +251,27 @@ def goals(results: dict) -> list[str]:
   return lines
 
 
+def check_flags():
+  """Usage errors for values that would fail, or silently shrink a comparison, only after
+  the models load: batch 1 decodes num_prompts/2 prompts of each task, batch 8 eight
+  GSM8K ones."""
+  n = _NUM.value
+  if n < 2 or n % 2:
+    raise app.UsageError(f"--num_prompts must be even and >= 2 (batch 1 takes half of each "
+                         f"task's), got {n}")
+  if _SPEED.value and not _SKIP_B8.value and n < 8:
+    raise app.UsageError(f"--num_prompts must be >= 8 for the batch-8 comparison (or "
+                         f"--skip_batch8), got {n}")
+  for flag, low in ((_NEW, 1), (_REPEATS, 1), (_ACCEPT_K, 1)):
+    if flag.value < low:
+      raise app.UsageError(f"--{flag.name} must be >= {low}, got {flag.value}")
+  if any(int(k) < 1 for k in _KS.value):
+    raise app.UsageError(f"--num_draft values must be >= 1, got {','.join(_KS.value)}")
+
+
 def main(argv):
   del argv
+  check_flags()
   from bench_setup import host_info  # benchmarks/, beside this script
   from diversed_jax.models.loading import load_model
   from diversed_jax.speculative import build

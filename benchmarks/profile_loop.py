@@ -5,8 +5,9 @@
 Runs one decoding call under `jax.profiler` (after a warm-up call), sums the XLA ops' own
 times from the trace and groups every op by how often it ran per round of the loop: an op
 of the verification's scanned layers runs L times a round, one of the draft's scan K - 1
-(or K) times, the rule, sampling and commit once; the prompts' prefill runs its ops once
-per pass (`loop.PREFILL_CHUNK` tokens; a few passes per call), fewer times than the rounds.
+(or K) times, the rule, sampling and commit once (a branch taken in some rounds only, a
+fraction). Per-round runs are counted beyond a profiled one-token call of the same
+prompts, which runs the prefills (`loop.PREFILL_CHUNK` tokens a pass) and set-up alike.
 Times are op times with the profiler on (inflated, and summed over the host's threads), so
 read them as shares, not as wall-clock.
 """
@@ -58,27 +59,34 @@ def main(argv):
   prompts = gsm8k_test_prompts(tokenizer, _BATCH.value)
   verify = VerifyParams(method=_METHOD.value, temperature=_TEMPERATURE.value)
   k = 0 if _METHOD.value == "ar" else _NUM_DRAFT.value
-  run = lambda: decoder.generate(prompts, verify, num_draft=k, max_new_tokens=_MAX_NEW.value,
-                                 eos_token_ids=())
-  run()  # compile
-  warm = run()
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      out = run()
-    micros, calls = op_times(trace_dir)
-  rounds = out.rounds
+  run = lambda n: decoder.generate(prompts, verify, num_draft=k, max_new_tokens=n,
+                                  eos_token_ids=())
+
+  def profiled(n: int):
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        out = run(n)
+      return (out, *op_times(trace_dir))
+
+  run(_MAX_NEW.value), run(1)  # compile
+  warm = run(_MAX_NEW.value)
+  out, micros, calls = profiled(_MAX_NEW.value)
+  # A one-token call runs the same prefills and set-up and (almost) no rounds: an op's
+  # runs beyond that call's are its per-round runs.
+  short, _, short_calls = profiled(1)
+  rounds, extra_rounds = out.rounds, out.rounds - short.rounds
   layers = target.config.num_layers
   print(f"target={info['target']} draft={info['draft']} method={_METHOD.value} "
         f"batch={_BATCH.value} K={k}: {rounds} rounds, {out.num_tokens} tokens, "
         f"{warm.seconds:.2f} s unprofiled, {out.seconds:.2f} s profiled")
 
   def group(name: str) -> str:
-    per_round = calls[name] / rounds
-    if calls[name] < rounds or (calls[name] % layers == 0 and calls[name] // layers < rounds):
+    per_round = (calls[name] - short_calls[name]) / extra_rounds
+    if per_round <= 0:
       return "per call, not per round (the prefill's passes, set-up)"
     if per_round == layers:
       return f"{layers} per round (the verification's layers, or AR's)"
-    return f"{per_round:g} per round"
+    return f"{per_round:.3g} per round"
 
   totals, members = collections.Counter(), collections.defaultdict(list)
   for name, us in micros.items():

@@ -70,9 +70,9 @@ import numpy as np
 from absl import app, flags
 
 from diversed_jax.models.kv_cache import bucket_length
-from diversed_jax.speculative import loop, metrics, paired_timing, step_costs
+from diversed_jax.speculative import build, loop, metrics, paired_timing, step_costs
 from diversed_jax.speculative.decoder import PROMPT_BUCKETS
-from diversed_jax.speculative.types import VerifyParams
+from diversed_jax.speculative.types import METHODS, VerifyParams
 
 from bench_setup import gsm8k_test_prompts, host_info, load_decoder  # benchmarks/, beside it
 
@@ -120,40 +120,72 @@ def _median(values) -> float:
   return float(np.median(list(values)))
 
 
+# The methods whose rounds the prediction models (smc weighs particles, ssd pre-drafts on a
+# second device: benchmarks/ssd_speed.py times it).
+TIMED_METHODS = tuple(m for m in METHODS if m not in ("ar", "smc", "ssd"))
+
+
+def check_flags() -> list[int]:
+  """The batch sizes, after usage errors for values that would fail, or silently change the
+  prompts a batch size decodes, only after the models load."""
+  try:
+    sizes = [int(b) for b in _BATCH_SIZES.value]
+  except ValueError:
+    raise app.UsageError(f"--batch_sizes must be integers, got {_BATCH_SIZES.value}") from None
+  for flag, value in (("batch_sizes", min(sizes, default=0)), ("repeats", _REPEATS.value),
+                      ("num_draft", _NUM_DRAFT.value), ("max_new_tokens", _MAX_NEW.value),
+                      ("num_prompts", _NUM_PROMPTS.value)):
+    if value < 1:
+      raise app.UsageError(f"--{flag} must be >= 1, got {value}")
+  unknown = [m for m in _METHODS.value if m not in TIMED_METHODS]
+  if unknown or not _METHODS.value:
+    raise app.UsageError(f"--methods must be one or more of {TIMED_METHODS} (ar is every "
+                         f"method's baseline), got {','.join(_METHODS.value)}")
+  for b in sizes:
+    if b > 1 and 0 < _QUEUE.value <= b:
+      raise app.UsageError(f"--queue must exceed every batch size above 1 (or be 0), got "
+                           f"{_QUEUE.value} with batch size {b}")
+    if not (b > 1 and _QUEUE.value) and _NUM_PROMPTS.value % b:
+      raise app.UsageError(f"--num_prompts must be a multiple of each batch size without "
+                           f"a queue, got {_NUM_PROMPTS.value} with batch size {b}")
+  return sizes
+
+
 def main(argv):
   del argv
-  _, tokenizer, decoder, info = load_decoder(_TARGET.value, _DRAFT.value)
+  sizes = check_flags()
+  target, tokenizer, decoder, info = load_decoder(_TARGET.value, _DRAFT.value)
+  if "diversed" in _METHODS.value and info["head"] == build.FIXED_HEAD:  # a static ensemble
+    print(f"warning: {build.fixed_weight_warning(target.name, info['draft'], None)}",
+          flush=True)
   decoder.shrink_tail = _SHRINK_TAIL.value
-  prompts = gsm8k_test_prompts(tokenizer, max(
-      _QUEUE.value, max(int(b) for b in _BATCH_SIZES.value) *
-      max(1, _NUM_PROMPTS.value // min(int(b) for b in _BATCH_SIZES.value))))
+  prompts = gsm8k_test_prompts(tokenizer, max(_QUEUE.value, _NUM_PROMPTS.value))
   k = _NUM_DRAFT.value
   methods = list(_METHODS.value)
   print(f"target={info['target']} draft={info['draft']} K={k} T={_TEMPERATURE.value} "
         f"max_new_tokens={_MAX_NEW.value}, shrink_tail={_SHRINK_TAIL.value}, "
         f"{_REPEATS.value} pairs per method")
   results = {"host": host_info()}  # written to --out after each batch size
-  for batch in (int(b) for b in _BATCH_SIZES.value):
+  for batch in sizes:
     queued = batch > 1 and _QUEUE.value > batch
     if queued:  # one call: Q prompts through B rows
       batches, rows = [prompts[:_QUEUE.value]], batch
     else:
       batches, rows = [prompts[i:i + batch]
-                       for i in range(0, max(_NUM_PROMPTS.value, batch), batch)], None
-      batches = [b for b in batches if len(b) == batch]
+                       for i in range(0, _NUM_PROMPTS.value, batch)], None
     width = max(len(p) for p in prompts)
     cache_len = bucket_length(bucket_length(width, PROMPT_BUCKETS) + _MAX_NEW.value + k + 2)
     verify_params = {m: VerifyParams(method=m, temperature=_TEMPERATURE.value)
                      for m in ["ar"] + methods}
     # One-token calls time the prefills: without the draft (ar) and with it (sd; every
     # draft method prefills the same way).
-    one_token = {m: (VerifyParams(method="ar" if m == "ar" else "sd",
-                                  temperature=_TEMPERATURE.value), 0 if m == "ar" else k)
-                 for m in verify_params}
+    prefill_calls = {name: (VerifyParams(method=name, temperature=_TEMPERATURE.value), steps)
+                     for name, steps in (("ar", 0), ("sd", k))}
+    one_token = {m: prefill_calls["ar" if m == "ar" else "sd"] for m in verify_params}
     for m, verify in verify_params.items():  # compile every program before timing
       decoder.generate(batches[0], verify, num_draft=k, batch_size=rows,
                        max_new_tokens=_MAX_NEW.value)
-    for verify, steps in {"ar": one_token["ar"], "sd": one_token["sd"]}.values():
+    for verify, steps in prefill_calls.values():
       decoder.generate(batches[0], verify, num_draft=steps, batch_size=rows,
                        max_new_tokens=1)
 
@@ -216,6 +248,13 @@ def main(argv):
           f"c2={median_costs.catchup_s / decode_s:.3f}), cache {cache_len} slots, prefills "
           f"per call: target {ar_prefill_s / len(batches) * 1e3:.0f} ms, both models "
           f"{sd_prefill_s / len(batches) * 1e3:.0f} ms")
+    # A prefill estimate is a one-token call less its rounds' step costs: where the calls'
+    # decoding is short beside it, their difference is noise (it even went negative).
+    calls = ar_timings + [p.method for ps in pairs.values() for p in ps]
+    short = sum(t.phase_s <= 0.1 * t.seconds for t in calls)
+    if short:
+      print(f"warning: in {short} of {len(calls)} calls the prefills came to 90% or more of "
+            "the call: their decoding-phase columns are noise (raise --max_new_tokens)")
     print(f"{'method':10s} {'tok/s':>7s} {'speedup':>7s} {'| decoding phase:':>17s} "
           f"{'tok/s':>6s} {'speedup':>7s} {'predicted':>9s} {'efficiency':>10s} "
           f"{'(range)':>11s} {'pred/batch':>10s} {'eff/batch':>9s} {'calls':>6s} "

@@ -49,7 +49,8 @@ def main(argv):
     return decoder.generate(
         prompts, VerifyParams(method=method, temperature=0.0),
         num_draft=0 if method == "ar" else _NUM_DRAFT.value,
-        max_new_tokens=_MAX_NEW.value, batch_size=_BATCH.value)
+        max_new_tokens=_MAX_NEW.value, batch_size=_BATCH.value,
+        eos_token_ids=())  # no early EOS: autoregressive rows all end together
 
   calls = [(m, name) for m in _METHODS.value for name in settings]
   results = {call: run(*call) for call in calls}  # compiles every program

@@ -10,7 +10,7 @@ and the script prints acceptance rate (accepted / drafted), tokens per round, th
 token's laws, `Generation.policy`; 0 for exact SD). A head listed for another task gives
 the cross-task row.
 
-  python experiments/head_report.py --num_prompts=4 \
+  python experiments/head_report.py --num_prompts=4 --draft=self:4 \
       --head=gsm8k:gsm8k-lam0.05:runs/heads/gsm8k_lam0.05/head \
       --head=cnndm:cnndm-lam0.05:runs/heads/cnndm_lam0.05/head \
       --head=cnndm:gsm8k-head:runs/heads/gsm8k_lam0.05/head     # cross-task
@@ -43,6 +43,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "sampling seed")
 
 def main(argv):
   del argv
+  from diversed_jax import cli
   from diversed_jax.models import loading
   from diversed_jax.speculative import build
   from diversed_jax.speculative import metrics as metrics_lib
@@ -61,6 +62,11 @@ def main(argv):
         f"K={_NUM_DRAFT.value}, {_NUM_PROMPTS.value} prompts x {_MAX_NEW.value} tokens",
         flush=True)
   heads = [h.split(":", 2) for h in _HEADS.value]
+  with cli.usage_errors("--head: "):  # a head reads its own draft's hidden states
+    for head in heads:
+      if len(head) != 3:
+        raise ValueError(f"{':'.join(head)!r} is not TASK:LABEL:FOLDER")
+      head_io.check_pair(head[2], target.name, draft_spec, head[0])
 
   rows = []
   for task_name in _TASKS.value:

@@ -13,11 +13,18 @@ tpu="$1"; zone="$2"; shift 2
 [ "${1:-}" = "--" ] && shift
 args=$(printf ' %q' "$@")
 repo=$(cd "$(dirname "$0")/.." && pwd)
-archive=/tmp/diversed_jax_src.tar.gz
+archive=$(mktemp /tmp/diversed_jax_src.XXXXXX.tar.gz)  # one per launch
+trap 'rm -f "$archive"' EXIT
 tar -C "$repo" --exclude=.git --exclude=runs --exclude=workdirs -czf "$archive" .
 gcloud compute tpus tpu-vm scp "$archive" "$tpu":~/src.tar.gz --zone="$zone" --worker=all
+# The old copy goes (files deleted here must not linger there: a stale head folder under
+# assets/heads would be picked up as shipped), but runs/ and workdirs/ stay: a rerun
+# resumes. The job is detached (nohup, setsid), so a dropped ssh session does not end it.
 gcloud compute tpus tpu-vm ssh "$tpu" --zone="$zone" --worker=all --command="
-  set -e; mkdir -p ~/diversed_jax && tar -C ~/diversed_jax -xzf ~/src.tar.gz
+  set -e; mkdir -p ~/diversed_jax
+  find ~/diversed_jax -mindepth 1 -maxdepth 1 ! -name runs ! -name workdirs -exec rm -rf {} +
+  tar -C ~/diversed_jax -xzf ~/src.tar.gz
   cd ~/diversed_jax && ./install.sh tpu
-  DIVERSED_DISTRIBUTED=1 python3 -m diversed_jax.main$args > ~/diversed_jax_\$(hostname).log 2>&1"
-echo "logs: ~/diversed_jax_<worker hostname>.log on each worker"
+  DIVERSED_DISTRIBUTED=1 setsid nohup python3 -m diversed_jax.main$args \\
+      > ~/diversed_jax_\$(hostname).log 2>&1 < /dev/null &"
+echo "started; logs: ~/diversed_jax_<worker hostname>.log on each worker"

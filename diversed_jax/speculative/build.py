@@ -109,16 +109,27 @@ def _check_tokenizers(draft_spec: str, target_spec: str) -> None:
   tokenizer_lib.check_compatible(draft_tok, target_tok)
 
 
+def _draft_key(spec: str) -> str:
+  """A draft spec as shipped heads are keyed: a folder by its real path, its 'nocopy:'
+  form as the folder (the gate changes the law, not the hidden states a head reads)."""
+  folder = spec.removeprefix(NO_COPY)
+  return os.path.realpath(folder) if os.path.isdir(folder) else spec
+
+
 def shipped_head(target_name: str, draft_spec: str, task: str | None) -> str | None:
-  """The shipped head folder of (target, draft) for `task` (None: DEFAULT_HEAD_TASK)."""
+  """The shipped head folder of (target, draft) for `task` (None: DEFAULT_HEAD_TASK); the
+  draft may be named by any path to its folder, or in its 'nocopy:' form."""
   _register_shipped_artifacts()
-  return DEFAULT_HEADS.get((target_name, draft_spec, task or DEFAULT_HEAD_TASK))
+  want = (target_name, _draft_key(draft_spec), task or DEFAULT_HEAD_TASK)
+  return next((head for (t, d, k), head in DEFAULT_HEADS.items()
+               if (t, _draft_key(d), k) == want), None)
 
 
 def shipped_head_tasks(target_name: str, draft_spec: str) -> list[str]:
   """The tasks that have a shipped head for (target, draft)."""
   _register_shipped_artifacts()
-  return sorted(k for t, d, k in DEFAULT_HEADS if (t, d) == (target_name, draft_spec))
+  return sorted(k for t, d, k in DEFAULT_HEADS
+                if (t, _draft_key(d)) == (target_name, _draft_key(draft_spec)))
 
 
 def fixed_weight_warning(target_name: str, draft_spec: str, task: str | None) -> str:
