@@ -16,6 +16,7 @@ from diversed_jax.models import ModelConfig, cpu_kernels, init_params, loading, 
 from diversed_jax.speculative import decoder as decoder_lib
 from diversed_jax.speculative import build, drafts, loop, programs
 from diversed_jax.speculative.types import VerifyParams
+from tests import padded_forward
 
 VOCAB = 11
 
@@ -53,9 +54,7 @@ def _fixed_weight_fn(w):
 def _greedy_reference(target, prompt, steps):
   tokens = list(prompt)
   for _ in range(steps):
-    logits, _, _ = transformer.forward_jit(target.params, target.config,
-                                           jnp.asarray([tokens]))
-    tokens.append(int(jnp.argmax(logits[0, -1])))
+    tokens.append(padded_forward.greedy_next(target.params, target.config, tokens))
   return tokens[len(prompt):]
 
 
@@ -140,29 +139,44 @@ def test_eos_and_max_new_tokens_stop_rows(pair):
 QUEUE = PROMPTS + [[3, 3, 4], [9, 8, 7, 6, 5, 4], [1, 1]]
 
 
+def _stopped_at_eos(tokens, eos_ids):
+  """`tokens` up to and with the first of `eos_ids` (greedy decoding stops there)."""
+  for i, token in enumerate(tokens):
+    if token in eos_ids:
+      return tokens[:i + 1]
+  return tokens
+
+
 # A prefill chunk of 2 makes several passes per prompt, 64 one; the prefill is the same for
-# every method, so one method runs it both ways.
-@pytest.mark.parametrize("method,num_draft,prefill_chunk",
-                         [("ar", 0, 64), ("sd", 3, 2), ("sd", 3, 64), ("static", 2, 64)])
+# every method, so one method runs it both ways. 'sd' with chunk 64 and 'ar' run the whole
+# grid (all prompts at once and queued on 1 or 3 rows, with and without EOS); the other two
+# cases (each a method or chunk size of its own: 'static' drafts q_{K+1} too) run only its
+# most demanding cell, 3 rows with EOS (rows free up at different rounds and take queued
+# prompts, prefilled in the loop), against the reference: each grid cell is a compile.
+@pytest.mark.parametrize("method,num_draft,prefill_chunk,whole_grid",
+                         [("ar", 0, 64, True), ("sd", 3, 2, False), ("sd", 3, 64, True),
+                          ("static", 2, 64, False)],
+                         ids=["ar-0-64", "sd-3-2", "sd-3-64", "static-2-64"])
 def test_continuous_batching_gives_each_prompt_its_own_decoding(pair, method, num_draft,
-                                                                prefill_chunk):
+                                                                prefill_chunk, whole_grid):
   """With fewer rows than prompts, finished rows take queued prompts; every prompt's tokens
-  equal those of decoding all prompts at once, with and without EOS."""
+  equal those of decoding it alone by a plain forward (greedy), with and without EOS."""
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params, prefill_chunk=prefill_chunk)
   # weight 1 keeps greedy 'static' deterministic (nu = p) while it still drafts K + 1 steps.
   greedy = VerifyParams(method=method, temperature=0.0, weight=1.0)
   expected = [_greedy_reference(target, p, 10) for p in QUEUE]
   eos = expected[1][2]  # stops some prompts early, so rows free up at different rounds
-  for eos_ids in ((), (eos,)):
-    together = dec.generate(QUEUE, greedy, num_draft=num_draft, max_new_tokens=10,
-                            eos_token_ids=eos_ids)
-    if not eos_ids:
-      assert together.token_ids == expected
-    for batch_size in (1, 3):
+  for eos_ids in ((), (eos,)) if whole_grid else ((eos,),):
+    want = [_stopped_at_eos(t, eos_ids) for t in expected]
+    if whole_grid:
+      together = dec.generate(QUEUE, greedy, num_draft=num_draft, max_new_tokens=10,
+                              eos_token_ids=eos_ids)
+      assert together.token_ids == want
+    for batch_size in (1, 3) if whole_grid else (3,):
       queued = dec.generate(QUEUE, greedy, num_draft=num_draft, max_new_tokens=10,
                             eos_token_ids=eos_ids, batch_size=batch_size)
-      assert queued.token_ids == together.token_ids, (eos_ids, batch_size)
+      assert queued.token_ids == want, (eos_ids, batch_size)
       # Each prompt's rounds are its own: they commit exactly its tokens.
       for accepted, tokens in zip(queued.accepted_per_round, queued.token_ids):
         assert len(accepted) >= 1
@@ -490,27 +504,72 @@ def test_unknown_matmul_precision_is_refused(pair):
     decoder_lib.SpeculativeDecoder(pair[0], matmul_precision="fast")
 
 
-def _exact_two_token_law(target, draft, draft_params, prompt, law):
-  """Exact joint law of the first two generated tokens; `law(p, q)` -> emitted law."""
+def _exact_two_token_law(target, draft, draft_params, prompt, law, bonus=None):
+  """Exact joint law of the first two generated tokens of rounds of K = 1 draft.
+  `law(p, q)` -> the rule's emitted law pi; `bonus(p, q)` -> the law of the bonus token
+  that follows an accepted draft (default: pi). The first token is the accepted draft with
+  probability min(q, pi)(x1) (a = min(1, pi/q), every rule here), then the bonus; else it
+  was the residual, and the next round emits the second by pi."""
   joint = np.zeros((VOCAB, VOCAB))
   def dists(tokens):
-    p = jax.nn.softmax(transformer.forward_jit(target.params, target.config,
-                                               jnp.asarray([tokens]))[0][0, -1])
-    q = jax.nn.softmax(transformer.forward_jit(draft_params, draft.config,
-                                               jnp.asarray([tokens]))[0][0, -1])
+    p = jax.nn.softmax(padded_forward.last_logits(target.params, target.config, tokens))
+    q = jax.nn.softmax(padded_forward.last_logits(draft_params, draft.config, tokens))
     return np.asarray(p, np.float64), np.asarray(q, np.float64)
-  first = law(*dists(prompt))
+  p0, q0 = dists(prompt)
+  first = law(p0, q0)
+  accepted = np.minimum(q0, first)
   for x1 in range(VOCAB):
-    joint[x1] = first[x1] * law(*dists(prompt + [x1]))
+    p1, q1 = dists(prompt + [x1])
+    joint[x1] = accepted[x1] * (bonus or law)(p1, q1) + (first[x1] - accepted[x1]) * law(p1, q1)
   return joint
 
 
-@pytest.mark.parametrize("method,law,wrong_law", [
-    ("sd", lambda p, q: p, lambda p, q: q),
-    ("static", lambda p, q: 0.3 * p + 0.7 * q, lambda p, q: p),
-    ("diversed", lambda p, q: 0.3 * p + 0.7 * q, lambda p, q: p),
-])
-def test_two_token_law_of_the_loop(pair, method, law, wrong_law):
+def _cascade_v1_law(alpha):
+  """SpecCascade's token-specific rule V1 at temperature 1 (docs/methods.md): pi(v) =
+  q(v) 1[v in A] + (1 - q(A)) p(v), A = {q(v) >= max p - alpha}."""
+  def law(p, q):
+    kept = np.where(q >= p.max() - alpha, q, 0.0)
+    return kept + (1.0 - kept.sum()) * p
+  return law
+
+
+def _mentored_tv_law(eps):
+  """Mentored decoding's emitted law, TV budget eps (docs/methods.md), by bisection in
+  float64: q a + (1 - sum q a) norm((p - q)+), a = min(1, c p/q), c solving
+  sum_{q > p} min(q - p, (c - 1) p) = eps (assumed < TV(p, q), so c is finite)."""
+  def law(p, q):
+    excess = q > p
+    lo, hi = 1.0, 1e9
+    for _ in range(200):
+      c = 0.5 * (lo + hi)
+      lo, hi = (c, hi) if np.minimum(q - p, (c - 1) * p)[excess].sum() < eps else (lo, c)
+    kept = np.minimum(q, lo * p)
+    deficit = np.maximum(p - q, 0.0)
+    return kept + (1.0 - kept.sum()) * deficit / deficit.sum()
+  return law
+
+
+_TARGET_LAW = lambda p, q: p
+_V1 = _cascade_v1_law(0.3)
+_MENTORED = _mentored_tv_law(0.5)
+
+
+# (params, emitted law, bonus law (None: the emitted one), a wrong (law, bonus) the loop's
+# samples must be far from). The wrong laws of 'cascade' and 'mentored' are the plausible
+# loop bugs: a bonus drawn from p instead of the rule's own law at K + 1 (no q_{K+1}), and
+# one drawn from the rule's law instead of p. ('cascade' V1 with alpha 0.3 accepts 95% of
+# first drafts; 'mentored' with eps 0.5 accepts 55%, so both take both branches.)
+@pytest.mark.parametrize("params,law,bonus,wrong", [
+    (VerifyParams(method="sd"), _TARGET_LAW, None, (lambda p, q: q, None)),
+    (VerifyParams(method="static", weight=0.3), lambda p, q: 0.3 * p + 0.7 * q, None,
+     (_TARGET_LAW, None)),
+    (VerifyParams(method="diversed", weight=0.3), lambda p, q: 0.3 * p + 0.7 * q, None,
+     (_TARGET_LAW, None)),
+    (VerifyParams(method="cascade", cascade_rule="v1", cascade_alpha=0.3), _V1, None,
+     (_V1, _TARGET_LAW)),
+    (VerifyParams(method="mentored", epsilon=0.5), _MENTORED, _TARGET_LAW, (_MENTORED, None)),
+], ids=["sd", "static", "diversed", "cascade", "mentored"])
+def test_two_token_law_of_the_loop(pair, params, law, bonus, wrong):
   """Sampling many rows through the real loop (drafting, verification, roll-back, bonus
   tokens) reproduces the exact joint law of two tokens. 6,000 rows; TV tolerance 0.04
   (the sampling error of a 121-cell joint at this size is about 0.025)."""
@@ -519,17 +578,17 @@ def test_two_token_law_of_the_loop(pair, method, law, wrong_law):
   rows = 6000
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params,
                                        weight_fn=_fixed_weight_fn(0.3), head_params={})
-  out = dec.generate([prompt] * rows, VerifyParams(method=method, weight=0.3), num_draft=1,
-                     max_new_tokens=2, eos_token_ids=(), seed=3)
+  out = dec.generate([prompt] * rows, params, num_draft=1, max_new_tokens=2,
+                     eos_token_ids=(), seed=3)
   counts = np.zeros((VOCAB, VOCAB))
   for x1, x2 in (t[:2] for t in out.token_ids):
     counts[x1, x2] += 1
-  expected = _exact_two_token_law(target, draft, draft_params, prompt, law)
+  expected = _exact_two_token_law(target, draft, draft_params, prompt, law, bonus)
   tv = 0.5 * np.abs(counts / rows - expected).sum()
   assert tv < 0.04, tv
   # A wrong law is far away, so the test can fail.
   assert 0.5 * np.abs(counts / rows - _exact_two_token_law(
-      target, draft, draft_params, prompt, wrong_law)).sum() > 0.1
+      target, draft, draft_params, prompt, *wrong)).sum() > 0.1
 
 
 def test_step_costs_time_the_decoder_calls_and_predict_the_speedup(pair):
