@@ -109,7 +109,15 @@ def test_one_round_law_approaches_the_target_as_particles_grow(models):
 def test_resampling_keeps_later_rounds_near_the_target(models):
   """Two rounds (4 tokens). Resampling after every round resets the weights, so the
   second round's draft weighs alone; never resampling multiplies both rounds' weights
-  and leaves fewer effective particles. 2,000 prompts of 32 particles."""
+  and leaves fewer effective particles. 2,000 prompts of 32 particles.
+
+  Tolerances (a numpy multinomial simulation, 100,000 draws of N = 2,000 exact samples):
+  the 121-cell joint of tokens 1-2 lies 0.048 away on average (sd 0.0067, 99.9th
+  percentile 0.071), token 3's 11-cell marginal 0.026 (sd 0.0066, 99.9th 0.049). Each bound
+  is that 99.9th percentile plus 0.03 for the self-normalised weights' bias at 32
+  particles (as in the test above; this seed gives 0.071 and 0.052, an excess over the
+  exact mean of 0.022 and 0.027). Never resampling lies 0.17 away here: it must exceed
+  always by 0.07, 7 sd of the difference of two sampled TVs (sd 0.0094)."""
   target_config, target_params, _, _ = models
   p1 = next_laws(target_config, target_params, [PROMPT])[0]
   p2 = next_laws(target_config, target_params, [PROMPT + [x] for x in range(VOCAB)])
@@ -120,10 +128,12 @@ def test_resampling_keeps_later_rounds_near_the_target(models):
   always = _decode(models, 2000, 32, 4, ess_threshold=1.0)
   never = _decode(models, 2000, 32, 4, ess_threshold=0.0)
   tokens_always, tokens_never = np.asarray(always.tokens_qn), np.asarray(never.tokens_qn)
-  assert _tv(_pair_counts(tokens_always), joint12) < 0.1
-  assert _tv(np.bincount(tokens_always[:, 2], minlength=VOCAB).astype(float), law3) < 0.08
-  assert (_tv(_pair_counts(tokens_always), joint12) + 0.05
-          < _tv(_pair_counts(tokens_never), joint12))
+  tv_always = _tv(_pair_counts(tokens_always), joint12)
+  assert tv_always < 0.071 + 0.03, tv_always
+  tv3 = _tv(np.bincount(tokens_always[:, 2], minlength=VOCAB).astype(float), law3)
+  assert tv3 < 0.049 + 0.03, tv3
+  tv_never = _tv(_pair_counts(tokens_never), joint12)
+  assert tv_always + 0.07 < tv_never, (tv_always, tv_never)
   # The weights before each resampling: a flat draft leaves few effective particles.
   ess = np.asarray(always.stats.ess_rb)
   assert np.all((ess > 0) & (ess <= 1)) and ess.mean() < 0.5
