@@ -56,8 +56,9 @@ def test_train_and_eval_end_to_end(tmp_path, tiny_dir):
   assert 0.0 < by_name["diversed"]["mean_weight"] < 1.0
   smc = by_name["smc(n=2)"]  # every draft committed, weighed instead
   # 2 particles' ESS fraction is in [0.5, 1] whatever the weights, and 1 only if they are
-  # equal: below 1, the draft's and the target's laws (they differ) weighed them.
-  assert smc["acceptance_rate"] == 1.0 and 0.5 <= smc["mean_ess"] < 0.99
+  # equal: well below 1 (0.58 here), the draft's and the target's laws (they differ)
+  # weighed them.
+  assert smc["acceptance_rate"] == 1.0 and 0.5 <= smc["mean_ess"] < 0.9
   assert smc["params"] == {"particles": 2, "ess_threshold": 0.5}
   assert by_name["sd"]["mean_ess"] is None
   ssd = by_name["ssd(f=2,c=1)"]  # the draft pre-drafting: exact, with its hit rate
