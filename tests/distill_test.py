@@ -87,9 +87,10 @@ def _eager_gate(target):
 @pytest.mark.parametrize("kind,copy", [(kind, False) for kind in architectures.KINDS]
                          + [("feature", True)])
 def test_draft_kinds_run_in_the_speculative_loop(target, kind, copy):
-  """Greedy SD with each draft kind gives plain greedy decoding's tokens: at two K, with
-  rows refilled from a queue, and in a shrunk tail. (Sampling with a feature draft in the
-  loop: training_test's rollout test, whose recorded laws must match a pass over the text.)"""
+  """Greedy SD with each draft kind gives plain greedy decoding's tokens: at K = 1 in one
+  batch, and at K = 3 with rows refilled from a queue and in a shrunk tail (one compiled
+  program per K and batch). (Sampling with a feature draft in the loop: training_test's
+  rollout test, whose recorded laws must match a pass over the text.)"""
   draft, params = _draft(kind, target)
   if copy:  # the copying wrapper's cache goes through roll-back, refill and the tail too
     draft = context_copy.ContextCopyDraft(draft, _eager_gate(target))
@@ -97,18 +98,16 @@ def test_draft_kinds_run_in_the_speculative_loop(target, kind, copy):
                                        draft, params)
   greedy = VerifyParams(method="sd", temperature=0.0)
   expected = _greedy_references(target, PROMPTS, 10)
-  # The copying draft's inner feature draft is feature-False's: one K for the wrapper.
-  for num_draft in (3,) if copy else (1, 3):
-    got = dec.generate(PROMPTS, greedy, num_draft=num_draft, max_new_tokens=10,
-                       eos_token_ids=())
+  if not copy:  # the copying draft's inner draft is feature-False's: K = 3 for the wrapper
+    got = dec.generate(PROMPTS, greedy, num_draft=1, max_new_tokens=10, eos_token_ids=())
     assert got.token_ids == expected
-  queued = dec.generate(PROMPTS, greedy, num_draft=2, max_new_tokens=10, eos_token_ids=(),
+  queued = dec.generate(PROMPTS, greedy, num_draft=3, max_new_tokens=10, eos_token_ids=(),
                         batch_size=2)
   assert queued.token_ids == expected  # refilled rows get fresh draft caches and features
   shrinking = decoder_lib.SpeculativeDecoder(
       decoder_lib.ModelHandle(target.config, target.params), draft, params, shrink_tail=True)
   # Three prompts over two rows: the last one decodes alone, in a shrunk batch of one.
-  shrunk = shrinking.generate(PROMPTS[:3], greedy, num_draft=2, max_new_tokens=10,
+  shrunk = shrinking.generate(PROMPTS[:3], greedy, num_draft=3, max_new_tokens=10,
                               eos_token_ids=(), batch_size=2)
   assert shrunk.token_ids == expected[:3]  # the tail keeps each row's caches and features
   assert 1 in shrunk.stats.width_r.tolist()  # a round ran with one row
