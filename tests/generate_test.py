@@ -14,7 +14,7 @@ import pytest
 from diversed_jax import tokenizer as tokenizer_lib
 from diversed_jax.models import ModelConfig, init_params, loading
 from diversed_jax.speculative.types import VerifyParams
-from tests.configs_test import entry_point, usage_error
+from tests.entry_points import entry_point, usage_error
 
 
 @pytest.fixture(scope="module")

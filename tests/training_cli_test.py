@@ -8,7 +8,7 @@ import os
 import pytest
 
 from diversed_jax.evaluation import tiny
-from tests.configs_test import entry_point
+from tests.entry_points import entry_point
 
 WORDS = [f"word{i:02d}" for i in range(40)]
 
