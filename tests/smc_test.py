@@ -1,6 +1,8 @@
 """SMC speculative decoding (speculative/smc.py) on tiny random models: the output law
 against the exact target law, resampling, stopping, the decoder's calls, refusals."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,9 +222,9 @@ def test_smc_refuses_greedy_decoding_and_bad_particles(models):
   target_config, target_params, draft, draft_params = models
   args = (jnp.asarray([PROMPT + [0] * 4]), jnp.asarray([4]), jax.random.PRNGKey(0))
   kwargs = dict(target_config=target_config, draft=draft, cache_len=16)
-  greedy = loop.LoopSpec(verify=VerifyParams(method="smc", temperature=0.0), num_draft=1)
-  with pytest.raises(ValueError, match="temperature must be > 0"):
-    smc.decode(target_params, draft_params, *args, spec=greedy, **kwargs)
+  with pytest.raises(ValueError, match=re.escape(  # the spec checks it, for every method
+      "LoopSpec.verify.temperature must be > 0 with method 'smc', got 0.0")):
+    loop.LoopSpec(verify=VerifyParams(method="smc", temperature=0.0), num_draft=1)
   sampled = loop.LoopSpec(verify=VerifyParams(method="smc"), num_draft=1)
   with pytest.raises(ValueError, match="smc.decode runs it"):
     loop.decode(target_params, draft_params, None, *args, spec=sampled, **kwargs)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from diversed_jax.models import transformer
 from diversed_jax.models.config import ModelConfig
-from diversed_jax.speculative import distributions, loop, verification
+from diversed_jax.speculative import distributions, loop
 
 # Laws below this are taken as this: a draft outside the target's top-p nucleus weighs
 # ~e^-69 instead of 0, so a prompt whose particles all left it still has weights to norm.
@@ -200,7 +200,6 @@ def decode(target_params, draft_params, prompt_qp, prompt_lengths_q, key, *,
     raise ValueError(f"smc.decode runs method 'smc', got {vp.method!r}")
   if draft is None:
     raise ValueError("method 'smc' needs a draft model")
-  verification.validate_params(vp)  # particles >= 1, temperature > 0, ...
   q, n = prompt_qp.shape[0], vp.particles
   rounds, b = num_rounds(spec), q * n
   target_cache, draft_cache, last_two, features_b2d = loop.prefill(
