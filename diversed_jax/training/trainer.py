@@ -364,10 +364,9 @@ def train_head(train_cfg, *, target, draft, draft_params, task, examples: Sequen
     return folder
   if not last:  # resumed a finished run: the last logged metrics
     last = {k: v for k, v in _last_logged(workdir).items() if k != "step"}
-  from diversed_jax.training.artifacts import portable_draft_spec
-  return head_io.save_head(
+  return head_io.save_head(  # the draft as the run's settings recorded it (hashed once)
       folder, module, params, dq, dp,
-      target=getattr(target, "name", ""), draft_spec=portable_draft_spec(draft_spec),
-      draft_digest=folder_digest(draft_spec), task=task.name,
+      target=settings["target"], draft_spec=settings["draft"],
+      draft_digest=settings["draft_digest"], task=task.name,
       steps=step, train=train_cfg.to_dict(),
       final={k: v for k, v in last.items() if k not in TIMING_KEYS and math.isfinite(v)})
