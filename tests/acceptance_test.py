@@ -15,6 +15,7 @@ import pytest
 
 from diversed_jax.speculative import acceptance, distributions, verification
 from diversed_jax.speculative.types import VerifyParams
+from tests.xla_flags import OPTIMIZED
 
 N = 200_000
 V = 4
@@ -82,7 +83,8 @@ def test_iid_case_matches_monte_carlo():
   zq, zp = rng.normal(size=V), rng.normal(size=V)
   zq_kv = jnp.asarray(np.tile(zq, (K, 1)), jnp.float32)
   zp_kv1 = jnp.asarray(np.tile(zp, (K + 1, 1)), jnp.float32)
-  verdict, out = jax.jit(_sd_rounds, static_argnums=2)(zq_kv, zp_kv1, 0)
+  verdict, out = jax.jit(_sd_rounds, static_argnums=2, compiler_options=OPTIMIZED)(
+      zq_kv, zp_kv1, 0)
   alpha = float(verdict.beta_bk[0, 0])
   assert 0.5 < alpha < 0.95
   theory = float(acceptance.iid_accepted_drafts(alpha, K))
@@ -108,7 +110,8 @@ def test_independent_positions_match_monte_carlo():
   zq_kv = jnp.asarray(rng.normal(size=(K, V)) * 1.5, jnp.float32)
   zp_kv1 = jnp.asarray(rng.normal(size=(K + 1, V)) * 1.5, jnp.float32)
   params = VerifyParams(method="sd", temperature=0.7)
-  verdict, out = jax.jit(_sd_rounds, static_argnums=(2, 3))(zq_kv, zp_kv1, 3, params)
+  verdict, out = jax.jit(_sd_rounds, static_argnums=(2, 3),
+                         compiler_options=OPTIMIZED)(zq_kv, zp_kv1, 3, params)
   theory = float(acceptance.independent_accepted_length(verdict.beta_bk[0]))
   n = np.asarray(out.num_accepted_b)
   assert abs(n.mean() - theory) < MEAN_TOL
@@ -153,7 +156,7 @@ def test_prefix_dependent_chain_matches_min_kernel():
     return verdict, verification.resolve_round(verdict, x, keys[K])
 
   zq_table, zp_table = jnp.asarray(zq_table, jnp.float32), jnp.asarray(zp_table, jnp.float32)
-  verdict, out = jax.jit(rounds)(jax.random.PRNGKey(5))
+  verdict, out = jax.jit(rounds, compiler_options=OPTIMIZED)(jax.random.PRNGKey(5))
   n = np.asarray(out.num_accepted_b)
   plain = np.asarray(acceptance.path_accepted_length(verdict.accept_prob_bk))
   low_var = np.asarray(acceptance.path_accepted_length_beta(verdict.accept_prob_bk,

@@ -1,6 +1,5 @@
-"""Test set-up: CPU only, no network, fast compiles in test subprocesses
-(tests/xla_flags.py), and compiled programs released before they exhaust the process's
-memory mappings."""
+"""Test set-up: CPU only, no network, fast compiles (tests/xla_flags.py), and compiled
+programs released before they exhaust the process's memory mappings."""
 
 import gc
 import os
@@ -10,11 +9,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from tests import xla_flags  # noqa: E402
+
+xla_flags.use_fast_compiles()  # before jax compiles anything, in every pytest-xdist worker
+
 import jax  # noqa: E402  (after the platform is chosen)
 import pytest  # noqa: E402
 
 from diversed_jax.speculative.programs import mapping_count, mapping_limit  # noqa: E402
-from tests import xla_flags  # noqa: E402
 
 
 # XLA:CPU maps each compiled kernel's code and data into the process, and jit's caches keep
@@ -26,13 +28,6 @@ from tests import xla_flags  # noqa: E402
 # hold do not make every later test drop the caches again.
 _GROWTH_ALLOWED = mapping_limit() // 4
 _drop_above = [mapping_count() + _GROWTH_ALLOWED]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _fast_compiles_in_subprocesses():
-  # A fixture, not module code: pytest-xdist's controller imports this file too, and its
-  # workers, started after, would inherit the flag (it never runs fixtures).
-  xla_flags.for_subprocesses()
 
 
 @pytest.fixture(autouse=True)

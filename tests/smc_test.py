@@ -11,7 +11,7 @@ import pytest
 from diversed_jax.speculative import decoder as decoder_lib
 from diversed_jax.speculative import drafts, loop, metrics, smc, verification
 from diversed_jax.speculative.types import VerifyParams
-from tests import tiny_pair
+from tests import tiny_pair, xla_flags
 from tests.tiny_pair import PROMPT, VOCAB, next_laws
 
 
@@ -20,15 +20,20 @@ def models():
   return tiny_pair.peaked_target_flat_draft()
 
 
+# Thousands of particles: Monte Carlo runs, compiled at XLA's full optimisation.
+_optimized_decode = jax.jit(smc.decode, compiler_options=xla_flags.OPTIMIZED,
+                            static_argnames=("spec", "target_config", "draft", "cache_len"))
+
+
 def _decode(models, rows, particles, max_new_tokens, ess_threshold=0.5, seed=3, eos=()):
   target_config, target_params, draft, draft_params = models
   spec = loop.LoopSpec(verify=VerifyParams(method="smc", particles=particles,
                                            ess_threshold=ess_threshold),
                        num_draft=1, max_new_tokens=max_new_tokens, eos_token_ids=eos)
   tokens = jnp.asarray([PROMPT + [0] * 4] * rows, jnp.int32)
-  return smc.decode(target_params, draft_params, tokens, jnp.full((rows,), len(PROMPT)),
-                    jax.random.PRNGKey(seed), spec=spec, target_config=target_config,
-                    draft=draft, cache_len=16)
+  return _optimized_decode(target_params, draft_params, tokens, jnp.full((rows,), len(PROMPT)),
+                           jax.random.PRNGKey(seed), spec=spec, target_config=target_config,
+                           draft=draft, cache_len=16)
 
 
 def _tv(counts, law) -> float:

@@ -20,6 +20,7 @@ import pytest
 
 from diversed_jax.speculative import distributions, verification
 from diversed_jax.speculative.types import CASCADE_RULES, Verdict, VerifyParams
+from tests import xla_flags
 
 N = 200_000
 V = 8
@@ -193,7 +194,8 @@ def empirical(tokens, mask=None):
 # ------------------------------------------------------------------------ the harness
 
 
-@functools.partial(jax.jit, static_argnames=("params", "k", "with_q_bonus", "n"))
+@functools.partial(jax.jit, static_argnames=("params", "k", "with_q_bonus", "n"),
+                   compiler_options=xla_flags.OPTIMIZED)
 def _simulate(key, zq, zp, weights, params, k, with_q_bonus, n=N):
   """n independent rounds: x_i ~ q_i, the rule, resolve_round. Shapes [n, ...]."""
   j = k + 1 if with_q_bonus else k
@@ -508,7 +510,8 @@ def test_scaled_probs():
 
 def test_sample_categorical_law_and_zeros():
   probs = jnp.array([0.0, 0.5, 0.0, 0.3, 0.2, 0.0, 0.0, 0.0])
-  draws = distributions.sample_categorical(jax.random.PRNGKey(7), jnp.broadcast_to(probs, (N, V)))
+  sample = jax.jit(distributions.sample_categorical, compiler_options=xla_flags.OPTIMIZED)
+  draws = sample(jax.random.PRNGKey(7), jnp.broadcast_to(probs, (N, V)))
   emp = empirical(draws)
   assert emp[[0, 2, 5, 6, 7]].sum() == 0
   assert tv(emp, probs) < TV_TOL
@@ -540,7 +543,9 @@ def test_sample_logits_greedy_and_sampled():
   z = jnp.log(jnp.array([[0.1, 0.6, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0]]))
   key = jax.random.PRNGKey(3)
   assert int(distributions.sample_logits(key, z, 0.0)[0]) == 1
-  draws = distributions.sample_logits(key, jnp.broadcast_to(z, (N, V)), 1.0)
+  sample = jax.jit(distributions.sample_logits, static_argnums=2,
+                   compiler_options=xla_flags.OPTIMIZED)
+  draws = sample(key, jnp.broadcast_to(z, (N, V)), 1.0)
   assert tv(empirical(draws), np.exp(np.asarray(z[0]))) < TV_TOL
 
 
