@@ -23,6 +23,7 @@ from diversed_jax.speculative import context_copy, drafts, loop, step_costs
 from diversed_jax.speculative.types import VerifyParams
 from diversed_jax.tokenizer import encode_prompt
 
+from tests import padded_forward
 from tests.q8 import q8_0_weights
 
 VOCAB = 64
@@ -56,24 +57,8 @@ def _draft(kind, target, vocab_keep=40, seed=1):
                  "frozen": architectures.frozen_params(target.params, vocab)}
 
 
-REF_WIDTH = 32  # the greedy reference's fixed width: one compiled forward per model
-
-
 def _greedy_references(target, prompts, steps):
-  """Plain greedy decoding of each prompt, `steps` tokens: a causal forward over the rows
-  right-padded to REF_WIDTH (padding after a position cannot change it), each row's next
-  token read at its last position."""
-  rows = [list(p) for p in prompts]
-  assert max(map(len, rows)) + steps <= REF_WIDTH
-  for _ in range(steps):
-    tokens = np.zeros((len(rows), REF_WIDTH), np.int32)
-    for i, row in enumerate(rows):
-      tokens[i, :len(row)] = row
-    logits, _, _ = transformer.forward_jit(target.params, target.config, jnp.asarray(tokens))
-    next_bt = np.asarray(jnp.argmax(logits, axis=-1))
-    for i, row in enumerate(rows):
-      row.append(int(next_bt[i, len(row) - 1]))
-  return [row[len(p):] for row, p in zip(rows, prompts)]
+  return padded_forward.greedy_continuations(target.params, target.config, prompts, steps)
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 3], [2, 9, 9, 1, 4, 4, 8, 10, 3], [5, 6, 7]]

@@ -52,10 +52,7 @@ def _fixed_weight_fn(w):
 
 
 def _greedy_reference(target, prompt, steps):
-  tokens = list(prompt)
-  for _ in range(steps):
-    tokens.append(padded_forward.greedy_next(target.params, target.config, tokens))
-  return tokens[len(prompt):]
+  return padded_forward.greedy_continuations(target.params, target.config, [prompt], steps)[0]
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 3], [2, 9, 9, 1, 4, 4, 8, 10, 3], [5, 6, 7]]
