@@ -98,7 +98,8 @@ def get_config():
   c.train.min_shards = 4  # wait until this many shards exist before training
   c.train.rescan_every = 50  # steps between rescans of the shard folder
   c.train.seed = 0  # init and batch sampling seed
-  c.train.init_from = ""  # draft asset folder or workdir to fine-tune from ('' = fresh)
+  # Draft folder to fine-tune from ('' = fresh): an asset folder or a run's <workdir>/best.
+  c.train.init_from = ""
   c.train.grow_layers = 0  # with init_from: layers appended, starting as the identity
   # With init_from: choose the kept vocabulary (draft.vocab_keep ids) anew from the training
   # shards instead of keeping the folder's; the head rows are the target's frozen embedding,

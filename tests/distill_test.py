@@ -259,11 +259,27 @@ def test_resume_gives_the_same_losses(target, shard_dir, tmp_path):
                         log=_quiet)
   part = first.train(num_steps=10)  # "interrupted" after the step-10 checkpoint
   del first
-  resumed = train.Trainer(_config(shard_dir, tmp_path / "b", "feature", steps=20), target,
-                          log=_quiet)
+  other = _config(shard_dir, tmp_path / "b", "feature", steps=20)
+  other.train.lr = 0.01
+  with pytest.raises(ValueError, match=r"trained with train\.lr=0\.003 \(now 0\.01\)"):
+    train.Trainer(other, target, log=_quiet)
+  c = _config(shard_dir, tmp_path / "b", "feature", steps=20)
+  c.train.log_every, c.train.checkpoint_every = 3, 7  # bookkeeping may change
+  resumed = train.Trainer(c, target, log=_quiet)
   assert resumed.step == 10
   rest = resumed.train()
   np.testing.assert_allclose(part + rest, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_a_fresh_run_chooses_its_vocabulary_anew(target, shard_dir, tmp_path):
+  """A run killed before its first checkpoint left a kept vocabulary chosen under other
+  settings (here draft.vocab_keep = 5); the next start has nothing to resume and chooses
+  again instead of training on the stale one."""
+  os.makedirs(tmp_path / "run")
+  np.save(tmp_path / "run" / "vocab_ids.npy", np.arange(5, dtype=np.int32))
+  trainer = train.Trainer(_config(shard_dir, tmp_path / "run", "feature"), target, log=_quiet)
+  assert len(trainer.vocab_ids) == 40
+  assert len(np.load(tmp_path / "run" / "vocab_ids.npy")) == 40
 
 
 def _toy_shard(folder, index, records):

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diversed_jax import run_settings
 from diversed_jax.distill import architectures
 from diversed_jax.models import transformer
 from diversed_jax.rl.head import EnsembleHead, init_head
@@ -24,7 +25,7 @@ from diversed_jax.training import head_io, toy
 from diversed_jax.training.rollouts import RolloutSampler, head_weight_fn, policy_batch
 from tests.teacher_forced import teacher_forced_batch
 from diversed_jax.training.trainer import (TIMING_KEYS, drop_logged_after, example_order,
-                                           settings_changes, train_head)
+                                           train_head)
 
 TEMPERATURE = 0.8
 
@@ -338,12 +339,16 @@ def test_a_resume_under_other_settings_is_refused(tmp_path):
 
 
 def test_settings_changes_compare_only_what_both_record():
-  saved = {"train": {"lam": 0.1, "seed": 0}, "task": "gsm8k"}
-  assert settings_changes(saved, {"train": {"lam": 0.1, "seed": 0, "new_field": 1},
-                                  "task": "gsm8k", "draft": "x"}) == []
-  assert settings_changes({}, {"train": {"lam": 0.3}}) == []  # written before settings
-  assert settings_changes(saved, {"train": {"lam": 0.3, "seed": 1}, "task": "mbpp"}) == [
-      "task='gsm8k' (now 'mbpp')", "train.lam=0.1 (now 0.3)", "train.seed=0 (now 1)"]
+  saved = {"train": {"lam": 0.1, "seed": 0, "ppo": {"clip": 0.2}}, "task": "gsm8k"}
+  changes = run_settings.changes
+  assert changes(saved, {"train": {"lam": 0.1, "seed": 0, "new_field": 1},
+                         "task": "gsm8k", "draft": "x"}) == []
+  assert changes({}, {"train": {"lam": 0.3}}) == []  # written before settings
+  assert changes(saved, {"train": {"lam": 0.3, "seed": 1, "ppo": {"clip": 0.1}},
+                         "task": "mbpp"}) == [
+      "task='gsm8k' (now 'mbpp')", "train.lam=0.1 (now 0.3)", "train.ppo.clip=0.2 (now 0.1)",
+      "train.seed=0 (now 1)"]
+  assert changes(run_settings.as_json({"shards": (0, 1)}), {"shards": [0, 1]}) == []
 
 
 # ---------------------------------------------------------------- resume after kill -9

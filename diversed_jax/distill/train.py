@@ -4,8 +4,10 @@ State = trainable draft params, AdamW state, step, RNG key and the number n of t
 shards in use (the data position: windows of step s are a pure function of (seed, s, n));
 `<workdir>/shards_in_use.txt` records which shards, so a resumed run uses the same ones.
 A checkpoint is written every `checkpoint_every` steps; a run killed at any point (even
-kill -9) resumes from the latest complete one. The held-out evaluation keeps the best draft
-as an asset folder in `<workdir>/best` (see artifacts.py); `mode=export` copies it out.
+kill -9) resumes from the latest complete one. `<workdir>/settings.json` keeps what the run
+trains under: a resume under other settings (bar RESUMABLE_CHANGES) is refused. The
+held-out evaluation keeps the best draft as an asset folder in `<workdir>/best` (see
+artifacts.py); `mode=export` copies it out.
 `mode=shrink_vocab` writes a trained draft (`train.init_from`) with a smaller kept vocabulary
 and no training: the `draft.vocab_keep` of its ids with the most target mass on the training
 shards, a cheaper output head for nearly the same acceptance. `mode=fit_copy_gate` adds a
@@ -27,6 +29,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from diversed_jax import atomic_files
+from diversed_jax import run_settings as run_settings_lib
 from diversed_jax.distill import architectures, artifacts, batches, copy_gate, data, losses
 from diversed_jax.parallel import mesh as mesh_lib
 
@@ -34,6 +37,11 @@ MODES = ("data", "train", "export", "shrink_vocab", "fit_copy_gate")
 # Held-out metrics that may pick the exported best draft (train.select_by): the first
 # drafting step's acceptance at T = 1, or its greedy agreement.
 SELECT_BY = ("accept1", "top11")
+# `train` fields a resumed run may change: its length, bookkeeping, the device layout and
+# the metric that picks the exported best draft. Any other change (the target, the draft,
+# data.dir, the loss, lr, seed...) is refused; fine-tune with train.init_from instead.
+RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "log_every",
+                     "eval_every", "mesh_data", "min_shards", "rescan_every", "select_by")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
@@ -220,6 +228,15 @@ def _draft_from_config(config, target_config) -> architectures.DistilledDraft:
                                       vocab_size=target_config.vocab_size)
 
 
+def run_settings(config) -> dict:
+  """What a run trains under, as JSON values, kept in `<workdir>/settings.json`. More shard
+  folders (data.extra_train_dirs) may join a run, as shards join its data.dir."""
+  train = {k: v for k, v in config.train.to_dict().items() if k not in RESUMABLE_CHANGES}
+  return run_settings_lib.as_json({
+      "target": config.target, "draft": config.draft.to_dict(),
+      "data": {"dir": os.path.abspath(config.data.dir)}, "train": train})
+
+
 def step_mesh(tc):
   """The mesh a step's windows are split over (None: one device); ValueError naming the
   field when they do not divide over it."""
@@ -301,11 +318,12 @@ class Trainer:
       draft = _draft_from_config(self.config, self.target.config)
     self.draft = draft
     latest = self.manager.latest_step()
+    self._record_settings(resuming=latest is not None)
     if latest is None:
       num_shards = self._wait_for_shards(max(1, tc.min_shards))
     else:
       num_shards = None
-    if os.path.exists(vocab_path):
+    if latest is not None and os.path.exists(vocab_path):
       vocab_ids = np.load(vocab_path)
     elif init_meta is not None and not tc.reselect_vocab:
       vocab_ids = init_vocab
@@ -338,6 +356,21 @@ class Trainer:
     self._use_shards(num_shards, first)
     artifacts.recover_swapped(self._best_dir)
     self.best = self._read_best()
+
+  def _record_settings(self, resuming: bool) -> None:
+    """Writes this run's settings; when resuming, first refuses other settings than those
+    the checkpoints were trained with (a run from before they were kept is not checked)."""
+    path = os.path.join(self.workdir, "settings.json")
+    settings = run_settings(self.config)
+    if resuming and os.path.exists(path):
+      with open(path) as f:
+        changes = run_settings_lib.changes(json.load(f), settings)
+      if changes:
+        raise ValueError(
+            f"the checkpoints in {self.manager.directory} were trained with "
+            f"{', '.join(changes)}: resume with those settings, or fine-tune from the run's "
+            f"best draft (train.init_from={self._best_dir}) into another workdir")
+    atomic_files.write_json(path, settings, indent=1, sort_keys=True)
 
   @property
   def _best_dir(self) -> str:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diversed_jax import atomic_files
+from diversed_jax import run_settings as run_settings_lib
 from diversed_jax.digest import folder_digest
 from diversed_jax.parallel import hosts
 from diversed_jax.parallel import mesh as mesh_lib
@@ -128,20 +129,10 @@ def run_settings(train_cfg, *, task: str, target: str, draft_spec: str,
   from diversed_jax.training.artifacts import portable_draft_spec
   train = {k: v for k, v in train_cfg.to_dict().items() if k not in RESUMABLE_CHANGES}
   prompts_digest = hashlib.sha1(json.dumps([list(map(int, p)) for p in prompts]).encode())
-  return json.loads(json.dumps({
+  return run_settings_lib.as_json({
       "train": train, "task": task, "target": target,
       "draft": portable_draft_spec(draft_spec), "draft_digest": folder_digest(draft_spec),
-      "prompts_digest": prompts_digest.hexdigest()[:12]}))
-
-
-def settings_changes(saved: dict, current: dict) -> list[str]:
-  """'name=saved (now current)' for each setting both record and disagree on (a field
-  added to the settings after a checkpoint was written is not compared)."""
-  flat = lambda d: {**{f"train.{k}": v for k, v in d.get("train", {}).items()},
-                    **{k: v for k, v in d.items() if k != "train"}}
-  saved, current = flat(saved), flat(current)
-  return [f"{k}={saved[k]!r} (now {current[k]!r})"
-          for k in sorted(saved.keys() & current.keys()) if saved[k] != current[k]]
+      "prompts_digest": prompts_digest.hexdigest()[:12]})
 
 
 def _resume(ckpt: Checkpointer | None, state, settings: dict) -> tuple[Any, int, int]:
@@ -155,7 +146,7 @@ def _resume(ckpt: Checkpointer | None, state, settings: dict) -> tuple[Any, int,
   if latest is not None:
     state, meta = ckpt.restore(latest, state)
     counters = np.asarray([meta["step"], meta["data_pos"]], np.int64)
-    changes = settings_changes(meta.get("settings", {}), settings)
+    changes = run_settings_lib.changes(meta.get("settings", {}), settings)
     if changes:
       refusal = (f"the checkpoint of step {latest} in {ckpt.directory} was trained with "
                  f"{', '.join(changes)}: resume with those settings, or train into "
