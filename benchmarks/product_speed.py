@@ -5,7 +5,7 @@
 Times the embedded target's forward (the decoder's unrolled [out, in] layout, KV cache of
 512 slots half full, 8 steps per call in one compiled loop, caches updated in place: what
 `speculative.step_costs` measures) over BATCHxTOKENS new tokens, compiled once per form
-(`products.FORCE_FORM`: every product in that form where it applies, else a dot): the
+(`products.forced_form`: every product in that form where it applies, else a dot): the
 hand-written FFI kernel, the fused multiply-and-sum and the plain dot. The programs run
 interleaved, each keeping its best repeat; ratios are to the dot and, per form, to that
 form's own 1x1 forward when 1x1 is among the cases (what verifying a draft of TOKENS - 1
@@ -46,16 +46,13 @@ def main(_):
     print("the kernel is unavailable here (cpu_kernels.available() is False): skipped")
 
   def compiled(batch: int, tokens: int, form: str):
-    products.FORCE_FORM = form  # read while tracing
-    jax.clear_caches()  # the setting is not part of jit's cache key
-    try:
+    jax.clear_caches()  # the form is not part of jit's cache key
+    with products.forced_form(form):  # read while tracing
       cache = transformer.init_cache(params, config, batch, _CACHE.value).with_lengths(
           jnp.full((batch,), _CACHE.value // 2, jnp.int32))
       tokens_bt = jnp.ones((batch, tokens), jnp.int32)
       run = step_costs._run_steps.lower(params, cache, tokens_bt, model=config,
                                         num_steps=_STEPS.value).compile()
-    finally:
-      products.FORCE_FORM = None
     return run, cache, tokens_bt
 
   print(" ".join([f"{'batch x tokens':>15} {'rows':>5}"]

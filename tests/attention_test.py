@@ -1,5 +1,6 @@
 """The forms of `models.attention.attend`: the kernel against XLA's, and when each runs."""
 
+import contextlib
 import dataclasses
 
 import jax
@@ -30,12 +31,9 @@ def _inputs(seed, b=2, t=3, s=40, config=None):
 
 def _attend(config, *inputs, use_kernel=True):
   """attend(config, q, k, v, positions[, layer]) compiled with or without the kernel."""
-  previous, attention.USE_KERNEL = attention.USE_KERNEL, use_kernel
-  try:
+  with contextlib.nullcontext() if use_kernel else attention.without_kernel():
     return jax.jit(lambda q, k, v, p, *layer: attention.attend(config, q, k, v, p, False,
                                                                *layer))(*inputs)
-  finally:
-    attention.USE_KERNEL = previous
 
 
 @needs_kernel
@@ -48,7 +46,7 @@ def test_kernel_form_matches_xlas_forms(t):
                              rtol=0, atol=2e-6)
 
 
-def test_form_choice(monkeypatch):
+def test_form_choice():
   config = _config()
   kernel = "kernel" if cpu_kernels.available() else "flat"
   assert attention.attention_form(config, 1, jnp.float32) == kernel
@@ -62,9 +60,10 @@ def test_form_choice(monkeypatch):
   assert attention.attention_form(_config(sliding_window=8), 1, jnp.float32) == "flat"
   assert attention.attention_form(_config(attn_logit_softcap=5.0), 1, jnp.float32) == "flat"
   assert attention.attention_form(_config(head_dim=12), 1, jnp.float32) == "flat"
-  monkeypatch.setattr(attention, "USE_KERNEL", False)
-  assert attention.attention_form(config, 6, jnp.float32) == "flat"  # 36 query rows
-  assert attention.attention_form(config, 7, jnp.float32) == "grouped"  # 42
+  with attention.without_kernel():
+    assert attention.attention_form(config, 6, jnp.float32) == "flat"  # 36 query rows
+    assert attention.attention_form(config, 7, jnp.float32) == "grouped"  # 42
+  assert attention.attention_form(config, 6, jnp.float32) == kernel  # restored on exit
 
 
 @needs_kernel
@@ -86,11 +85,8 @@ def test_kernel_form_is_differentiable():
 
   def loss(use_kernel):
     def f(q, k, v):
-      previous, attention.USE_KERNEL = attention.USE_KERNEL, use_kernel
-      try:
+      with contextlib.nullcontext() if use_kernel else attention.without_kernel():
         return jnp.sum(jnp.sin(attention.attend(config, q, k, v, positions, sliding=False)))
-      finally:
-        attention.USE_KERNEL = previous
     return f
 
   for got, want in zip(jax.grad(loss(True), (0, 1, 2))(q, k, v),

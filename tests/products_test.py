@@ -75,15 +75,18 @@ def test_row_independent_products_take_the_kernel_past_its_row_limit(rows, few_r
     np.testing.assert_array_equal(together[i:i + 1], row)
 
 
-def test_forced_forms_apply_only_where_they_can(monkeypatch):
-  monkeypatch.setattr(products, "FORCE_FORM", "fused")
-  assert products.product_form(1, jnp.float32) == "dot"  # one row has no fused form
-  assert products.product_form(4, jnp.float32) == "fused"
-  monkeypatch.setattr(products, "FORCE_FORM", "dot")
-  assert products.product_form(4, jnp.float32) == "dot"
-  monkeypatch.setattr(products, "FORCE_FORM", "gemm")
-  with pytest.raises(ValueError, match="FORCE_FORM.*'gemm'"):
-    products.product_form(4, jnp.float32)
+def test_forced_forms_apply_only_where_they_can():
+  unforced = products.product_form(4, jnp.float32)
+  with products.forced_form("fused"):
+    assert products.product_form(1, jnp.float32) == "dot"  # one row has no fused form
+    assert products.product_form(4, jnp.float32) == "fused"
+    with products.forced_form("dot"):
+      assert products.product_form(4, jnp.float32) == "dot"
+    assert products.product_form(4, jnp.float32) == "fused"
+  assert products.product_form(4, jnp.float32) == unforced
+  with pytest.raises(ValueError, match="form must be one of .*'gemm'"):
+    with products.forced_form("gemm"):
+      pass
 
 
 def test_other_dtypes_keep_the_dot():

@@ -15,6 +15,8 @@ Hkv query heads per kv head, Dh head dim.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 
@@ -38,9 +40,19 @@ KERNEL_MAX_TOKENS = 64
 # copies saved (T = 5 with H = 9 is no faster flat).
 _FLAT_ATTENTION_ROWS = 36
 
-# Tests set this to False to compare with XLA's forms (read at trace time;
-# jax.clear_caches() after changing it).
-USE_KERNEL = True
+# False within `without_kernel()` (read at trace time).
+_KERNEL_ALLOWED = contextvars.ContextVar("attention_kernel_allowed", default=True)
+
+
+@contextlib.contextmanager
+def without_kernel():
+  """Attention traced within it takes XLA's forms, never the kernel (tests compare the
+  two). Only functions traced inside are affected, as with `products.row_independent()`."""
+  token = _KERNEL_ALLOWED.set(False)
+  try:
+    yield
+  finally:
+    _KERNEL_ALLOWED.reset(token)
 
 
 def attention_form(config: ModelConfig, num_tokens: int, dtype,
@@ -49,7 +61,7 @@ def attention_form(config: ModelConfig, num_tokens: int, dtype,
   kernel_operands: whether the queries and both caches all have `dtype` (the kernel takes
   one dtype for all three)."""
   token_limit = math.inf if products.in_row_independent() else KERNEL_MAX_TOKENS
-  kernel = (USE_KERNEL and kernel_operands and num_tokens <= token_limit
+  kernel = (_KERNEL_ALLOWED.get() and kernel_operands and num_tokens <= token_limit
             and config.sliding_window is None and config.attn_logit_softcap is None
             and config.head_dim % 8 == 0 and cpu_kernels.runs_here(dtype))
   if kernel:

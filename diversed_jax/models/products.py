@@ -54,13 +54,23 @@ MAX_KERNEL_ROWS = 64
 _ROW_MULTIPLE = 4
 FORMS = ("kernel", "fused", "dot")
 
-# Benchmarks set this to one of FORMS to compile a model with every product in that form
-# where the form applies (read at trace time; jax.clear_caches() after changing it).
-FORCE_FORM: str | None = None
-
-
-# True within `row_independent()` (read at trace time, like FORCE_FORM).
+# Read at trace time: the form set by `forced_form()`, and True within `row_independent()`.
+_FORCED_FORM = contextvars.ContextVar("forced_form", default=None)
 _ANY_ROWS_TO_KERNEL = contextvars.ContextVar("any_rows_to_kernel", default=False)
+
+
+@contextlib.contextmanager
+def forced_form(form: str):
+  """Products traced within it take `form` (one of FORMS) wherever that form applies, else
+  a dot: benchmarks compile one model per form. Like `row_independent()`, it changes only
+  functions traced inside (jit's cache key does not see it: jax.clear_caches() first)."""
+  if form not in FORMS:
+    raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+  token = _FORCED_FORM.set(form)
+  try:
+    yield
+  finally:
+    _FORCED_FORM.reset(token)
 
 
 @contextlib.contextmanager
@@ -129,10 +139,9 @@ def product_form(num_rows: int, dtype, kernel_operands: bool = True) -> str:
   kernel = (1 <= num_rows <= row_limit and kernel_operands
             and cpu_kernels.runs_here(dtype))
   fused = on_cpu_f32 and MIN_FUSED_ROWS <= num_rows <= MAX_FEW_ROWS
-  if FORCE_FORM is not None:
-    if FORCE_FORM not in FORMS:
-      raise ValueError(f"products.FORCE_FORM must be one of {FORMS}, got {FORCE_FORM!r}")
-    return FORCE_FORM if {"kernel": kernel, "fused": fused, "dot": True}[FORCE_FORM] else "dot"
+  forced = _FORCED_FORM.get()
+  if forced is not None:
+    return forced if {"kernel": kernel, "fused": fused, "dot": True}[forced] else "dot"
   return "kernel" if kernel else "fused" if fused else "dot"
 
 
