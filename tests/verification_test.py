@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diversed_jax.distill import architectures
 from diversed_jax.speculative import distributions, verification
 from diversed_jax.speculative.types import CASCADE_RULES, Verdict, VerifyParams
 from tests import xla_flags
@@ -277,6 +278,34 @@ def check_acceptance_equals_beta(params, x, verdict, out):
   assert abs(out.accepted_bk[:, 0].mean() - verdict.beta_bk[0, 0]) < RATE_TOL
   # Leading accepts: P(n >= 2) = beta_1 beta_2 (positions are independent here).
   assert abs(np.mean(out.num_accepted_b >= 2) - np.prod(verdict.beta_bk[0, :2])) < RATE_TOL
+
+
+# A draft with a truncated output head (distillation's kept vocabulary) has logits NEG_INF
+# outside its kept ids, so q = 0 there: ids 1, 4 and 7 are never proposed.
+UNPROPOSED = np.array([1, 4, 7])
+ZQ_TRUNCATED = np.where(np.isin(np.arange(V), UNPROPOSED), architectures.NEG_INF, ZQ)
+
+
+@pytest.mark.parametrize("name", ["sd", "lossy", "diversed", "static_logit", "mentored_kl",
+                                  "cascade_v1", "typical"])
+def test_emitted_law_with_a_truncated_draft_vocabulary(name):
+  """The ids the draft cannot propose come out, from the residual, as often as the rule's
+  law says (for exact SD: as often as p; never for a law without them), and the verdict
+  stays finite."""
+  params = PARAMS[name]
+  x, verdict, out = simulate(name, 1, seed=11, zq=ZQ_TRUNCATED)
+  assert not np.isin(x, UNPROPOSED).any()
+  for leaf in jax.tree.leaves(verdict):
+    assert np.all(np.isfinite(leaf))
+  q, _, pi = np_rule(params, 0, zq=ZQ_TRUNCATED)
+  emp = empirical(out.tokens_bk1[:, 0])
+  if pi[UNPROPOSED].sum() < 1e-9:  # the logit mixture, and cascade keeping the draft here
+    assert emp[UNPROPOSED].sum() == 0
+  else:
+    assert pi[UNPROPOSED].sum() > 0.1  # enough to see a rule that drops them
+  assert_law(emp, pi, {"p": np_scaled(ZP[0], params.temperature, params.top_p), "q": q,
+                       "pi on proposable ids": np.where(q > 0, pi, 0) / pi[q > 0].sum()},
+             f"{name} with a truncated draft")
 
 
 # ------------------------------------------------------------------------- bonus token
