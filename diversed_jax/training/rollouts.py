@@ -37,14 +37,18 @@ def head_weight_fn(kind: str, hidden_dim: int, init_weight: float, layer_norm: b
 class Rollouts:
   """G rollouts of each of a step's prompts; rows are grouped by prompt (row = i * G + g)."""
   prompts: list[list[int]]  # [B] prompt ids per row
-  generated: list[list[int]]  # [B] generated ids per row (EOS included when hit)
   group_ids: np.ndarray  # [B] int32, the prompt index of each row
   summary: dict  # acceptance_rate, tokens_per_round, w_mean_committed, ... (see `summarize`)
   generation: Generation
 
   @property
+  def generated(self) -> list[list[int]]:
+    """[B] generated ids per row (EOS included when hit)."""
+    return self.generation.token_ids
+
+  @property
   def num_tokens(self) -> int:
-    return sum(len(g) for g in self.generated)
+    return self.generation.num_tokens
 
 
 def policy_batch(generation: Generation, max_new_tokens: int) -> dict:
@@ -103,5 +107,4 @@ class RolloutSampler:
                    seconds=gen.seconds, compile_seconds=gen.compile_seconds,
                    tokens_per_s=gen.num_tokens / max(gen.seconds, 1e-9))
     group_ids = np.repeat(np.arange(len(prompts), dtype=np.int32), group_size)
-    return Rollouts(prompts=rows, generated=gen.token_ids, group_ids=group_ids,
-                    summary=summary, generation=gen)
+    return Rollouts(prompts=rows, group_ids=group_ids, summary=summary, generation=gen)
