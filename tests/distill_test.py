@@ -24,6 +24,7 @@ from diversed_jax.speculative.types import VerifyParams
 from diversed_jax.tokenizer import encode_prompt
 
 from tests import padded_forward
+from tests.entry_points import usage_error
 from tests.q8 import q8_0_weights
 
 VOCAB = 64
@@ -252,7 +253,7 @@ def test_tiny_distillation_lowers_the_loss(target, shard_dir, tmp_path, kind):
   assert out.token_ids == _greedy_references(target, PROMPTS, 6)
 
 
-def test_resume_gives_the_same_losses(target, shard_dir, tmp_path):
+def test_resume_gives_the_same_losses(target, shard_dir, tmp_path, monkeypatch, capsys):
   whole = train.Trainer(_config(shard_dir, tmp_path / "a", "feature", steps=20), target,
                         log=_quiet).train()
   first = train.Trainer(_config(shard_dir, tmp_path / "b", "feature", steps=20), target,
@@ -263,6 +264,13 @@ def test_resume_gives_the_same_losses(target, shard_dir, tmp_path):
   other.train.lr = 0.01
   with pytest.raises(ValueError, match=r"trained with train\.lr=0\.003 \(now 0\.01\)"):
     train.Trainer(other, target, log=_quiet)
+  # The command line refuses it as a usage error, before the target loads.
+  argv = [f"--config={ROOT}/configs/distill_tiny.py", f"--config.workdir={tmp_path / 'b'}",
+          f"--config.data.dir={shard_dir}", "--config.draft.kind=feature",
+          "--config.train.steps=20", "--config.train.eval_every=0", "--config.train.unroll=2",
+          "--config.train.lr=0.01"]
+  assert "train.lr=0.003 (now 0.01)" in usage_error("diversed_jax.distill", argv,
+                                                    monkeypatch, capsys)
   c = _config(shard_dir, tmp_path / "b", "feature", steps=20)
   c.train.log_every, c.train.checkpoint_every = 3, 7  # bookkeeping may change
   resumed = train.Trainer(c, target, log=_quiet)

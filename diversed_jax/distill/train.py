@@ -46,7 +46,8 @@ RESUMABLE_CHANGES = ("steps", "checkpoint_every", "keep_checkpoints", "log_every
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first bad field; in mode train also when train.batch
-  does not divide over train.mesh_data's devices."""
+  does not divide over train.mesh_data's devices, and when the checkpoints in
+  config.workdir were trained under other settings (`check_resume_settings`)."""
   for field, ok, *why in _checks(config):
     if not ok():  # lazy: a later check may divide by a field an earlier one rejects
       section, _, name = field.rpartition(".")
@@ -54,6 +55,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"config.{field}={value!r} is invalid" + "".join(f": {w}" for w in why))
   if config.mode == "train":
     step_mesh(config.train)  # the windows divide over the devices
+    check_resume_settings(config)
   # Last, the paths: a typo would fail only after the target loads.
   from diversed_jax.evaluation.validate import check_model
   check_model("config.target", config.target)
@@ -237,6 +239,28 @@ def run_settings(config) -> dict:
       "data": {"dir": os.path.abspath(config.data.dir)}, "train": train})
 
 
+def _settings_path(config) -> str:
+  return os.path.join(os.path.abspath(config.workdir), "settings.json")
+
+
+def check_resume_settings(config) -> None:
+  """ValueError naming each setting that differs from those the checkpoints in
+  config.workdir were trained with; nothing to resume (or a run from before settings were
+  kept) is not checked."""
+  path = _settings_path(config)
+  checkpoints = os.path.join(os.path.abspath(config.workdir), "checkpoints")
+  if not (os.path.exists(path) and os.path.isdir(checkpoints)
+          and ocp.utils.checkpoint_steps(checkpoints)):
+    return
+  with open(path) as f:
+    changes = run_settings_lib.changes(json.load(f), run_settings(config))
+  if changes:
+    best = os.path.join(os.path.abspath(config.workdir), "best")
+    raise ValueError(f"the checkpoints in {checkpoints} were trained with "
+                     f"{', '.join(changes)}: resume with those settings, or fine-tune from "
+                     f"the run's best draft (train.init_from={best}) into another workdir")
+
+
 def step_mesh(tc):
   """The mesh a step's windows are split over (None: one device); ValueError naming the
   field when they do not divide over it."""
@@ -318,7 +342,9 @@ class Trainer:
       draft = _draft_from_config(self.config, self.target.config)
     self.draft = draft
     latest = self.manager.latest_step()
-    self._record_settings(resuming=latest is not None)
+    # validate() has refused a resume under other settings than those recorded here.
+    atomic_files.write_json(_settings_path(self.config), run_settings(self.config), indent=1,
+                            sort_keys=True)
     if latest is None:
       num_shards = self._wait_for_shards(max(1, tc.min_shards))
     else:
@@ -356,21 +382,6 @@ class Trainer:
     self._use_shards(num_shards, first)
     artifacts.recover_swapped(self._best_dir)
     self.best = self._read_best()
-
-  def _record_settings(self, resuming: bool) -> None:
-    """Writes this run's settings; when resuming, first refuses other settings than those
-    the checkpoints were trained with (a run from before they were kept is not checked)."""
-    path = os.path.join(self.workdir, "settings.json")
-    settings = run_settings(self.config)
-    if resuming and os.path.exists(path):
-      with open(path) as f:
-        changes = run_settings_lib.changes(json.load(f), settings)
-      if changes:
-        raise ValueError(
-            f"the checkpoints in {self.manager.directory} were trained with "
-            f"{', '.join(changes)}: resume with those settings, or fine-tune from the run's "
-            f"best draft (train.init_from={self._best_dir}) into another workdir")
-    atomic_files.write_json(path, settings, indent=1, sort_keys=True)
 
   @property
   def _best_dir(self) -> str:
