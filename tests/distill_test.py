@@ -279,6 +279,20 @@ def test_resume_gives_the_same_losses(target, shard_dir, tmp_path, monkeypatch, 
   np.testing.assert_allclose(part + rest, whole, rtol=1e-5, atol=1e-6)
 
 
+def test_run_settings_name_files_absolutely_and_leave_out_bookkeeping(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  os.makedirs("draft")
+  c = _tiny_config()
+  c.train.init_from, c.data.dir = "draft", "shards"
+  settings = train.run_settings(c)
+  assert settings["train"]["init_from"] == str(tmp_path / "draft")
+  assert settings["data"] == {"dir": str(tmp_path / "shards")}
+  assert settings["target"] == c.target  # a registry name stays one
+  assert settings["train"]["eval_shards"] == list(c.train.eval_shards)  # JSON: a list
+  assert settings["draft"]["vocab_keep"] == 40
+  assert not set(train.RESUMABLE_CHANGES) & set(settings["train"])
+
+
 def test_a_fresh_run_chooses_its_vocabulary_anew(target, shard_dir, tmp_path):
   """A run killed before its first checkpoint left a kept vocabulary chosen under other
   settings (here draft.vocab_keep = 5); the next start has nothing to resume and chooses

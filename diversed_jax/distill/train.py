@@ -233,9 +233,12 @@ def _draft_from_config(config, target_config) -> architectures.DistilledDraft:
 def run_settings(config) -> dict:
   """What a run trains under, as JSON values, kept in `<workdir>/settings.json`. More shard
   folders (data.extra_train_dirs) may join a run, as shards join its data.dir."""
+  # Paths absolute: the same words from another directory name other files.
+  where = lambda spec: os.path.abspath(spec) if spec and os.path.exists(spec) else spec
   train = {k: v for k, v in config.train.to_dict().items() if k not in RESUMABLE_CHANGES}
+  train["init_from"] = where(train["init_from"])
   return run_settings_lib.as_json({
-      "target": config.target, "draft": config.draft.to_dict(),
+      "target": where(config.target), "draft": config.draft.to_dict(),
       "data": {"dir": os.path.abspath(config.data.dir)}, "train": train})
 
 
