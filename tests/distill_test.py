@@ -293,15 +293,22 @@ def test_run_settings_name_files_absolutely_and_leave_out_bookkeeping(tmp_path, 
   assert not set(train.RESUMABLE_CHANGES) & set(settings["train"])
 
 
-def test_a_fresh_run_chooses_its_vocabulary_anew(target, shard_dir, tmp_path):
-  """A run killed before its first checkpoint left a kept vocabulary chosen under other
-  settings (here draft.vocab_keep = 5); the next start has nothing to resume and chooses
-  again instead of training on the stale one."""
-  os.makedirs(tmp_path / "run")
+def test_a_fresh_run_in_a_used_workdir_starts_its_own_vocabulary_and_best(target, shard_dir,
+                                                                          tmp_path):
+  """An earlier run without checkpoints left a kept vocabulary chosen under other settings
+  (here draft.vocab_keep = 5) and a best draft: the next start has nothing to resume, so it
+  chooses again instead of training on the stale vocabulary, and its first evaluation
+  replaces that best whatever it scored."""
+  os.makedirs(tmp_path / "run" / "best")
   np.save(tmp_path / "run" / "vocab_ids.npy", np.arange(5, dtype=np.int32))
-  trainer = train.Trainer(_config(shard_dir, tmp_path / "run", "feature"), target, log=_quiet)
+  (tmp_path / "run" / "best" / "draft.json").write_text(json.dumps(
+      {"recipe": {"select_by": "accept1"}, "eval": {"score": 0.99}}))
+  said = []
+  trainer = train.Trainer(_config(shard_dir, tmp_path / "run", "feature"), target,
+                          log=said.append)
   assert len(trainer.vocab_ids) == 40
   assert len(np.load(tmp_path / "run" / "vocab_ids.npy")) == 40
+  assert trainer.best == -1.0 and any("best draft of an earlier run" in s for s in said)
 
 
 def _toy_shard(folder, index, records):

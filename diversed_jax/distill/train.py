@@ -385,6 +385,10 @@ class Trainer:
     self._use_shards(num_shards, first)
     artifacts.recover_swapped(self._best_dir)
     self.best = self._read_best()
+    if latest is None and self.best > -1.0:  # a fresh run's best is its own
+      self.log(f"{self._best_dir} holds a best draft of an earlier run in this workdir: "
+               "this run's first evaluation replaces it")
+      self.best = -1.0
 
   @property
   def _best_dir(self) -> str:
