@@ -75,6 +75,35 @@ def test_greedy_speculative_equals_greedy_autoregressive(pair, num_draft, method
   assert ar.token_ids == expected
 
 
+def test_a_sweep_of_rule_values_compiles_one_program_per_method(pair):
+  """The decoder passes a rule's numbers (static weight, lenience) to its program as
+  arguments: one program per method, and each value decodes as the program compiled with
+  it as a constant does."""
+  target, draft, draft_params = pair
+  dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
+  tokens, lengths = decoder_lib.pad_prompts(PROMPTS, 0)
+  cache_len = decoder_lib.bucket_length(tokens.shape[1] + 12 + 3 + 2)
+  for method, field, values in (("static", "weight", (0.2, 0.7)),
+                                ("lossy", "lenience", (0.3, 0.9))):
+    before, outputs = len(dec.programs), []
+    for value in values:
+      verify = VerifyParams(method=method, temperature=1.0, **{field: value})
+      got = dec.generate(PROMPTS, verify, num_draft=3, max_new_tokens=12, seed=4,
+                         eos_token_ids=())
+      constant = loop.decode(
+          dec.target_params(), draft_params, None, jnp.asarray(tokens), jnp.asarray(lengths),
+          jax.random.PRNGKey(4), spec=loop.LoopSpec(verify=verify, num_draft=3,
+                                                    max_new_tokens=12),
+          target_config=target.config, draft=draft, cache_len=cache_len,
+          prefill_chunk=dec.prefill_chunk)
+      assert got.token_ids == [row[:n].tolist() for row, n in
+                               zip(np.asarray(constant.tokens_qn),
+                                   np.asarray(constant.num_generated_q))], (method, value)
+      outputs.append(got.token_ids)
+    assert len(dec.programs) == before + 1, method
+    assert outputs[0] != outputs[1], method  # the values reach the rule
+
+
 def test_decoders_of_one_target_share_its_decoding_layout(pair):
   # The evaluation builds up to three decoders for one target: one copy of its decoding
   # layout between them, not one each.
@@ -439,7 +468,8 @@ def test_compiles_once_per_prompt_bucket(pair):
   assert len(second.token_ids) == 2
 
 
-SETTINGS = [VerifyParams(method="lossy", lenience=lenience) for lenience in (0.3, 0.5, 0.7)]
+# Three programs (a sweep of one method's numbers would share one).
+SETTINGS = [VerifyParams(method=method) for method in ("sd", "lossy", "typical")]
 
 
 def _decode_settings(dec):

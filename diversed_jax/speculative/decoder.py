@@ -194,7 +194,8 @@ class SpeculativeDecoder:
     if verify.method == "ssd":
       return self._generate_ssd(spec, tokens, lengths, cache_len, seed)
     uses_draft = spec.num_draft > 0
-    kwargs = dict(spec=spec, target_config=self.target.config,
+    # One program per spec but for the rule's numbers, which it takes as arguments.
+    kwargs = dict(spec=spec.program_key(), target_config=self.target.config,
                   draft=self.draft if uses_draft else None,
                   weight_fn=self.weight_fn if verify.method == "diversed" else None,
                   cache_len=cache_len, batch_size=batch_size, prefill_chunk=self.prefill_chunk)
@@ -213,8 +214,10 @@ class SpeculativeDecoder:
     args = (target_params, draft_params if uses_draft else None,
             self._placement.params(self.head_params if verify.method == "diversed" else None),
             *self._placement.rows((jnp.asarray(tokens), jnp.asarray(lengths))),
-            jax.random.PRNGKey(seed))
-    signature = (spec, tokens.shape, cache_len, batch_size, kwargs["tail_widths"])
+            jax.random.PRNGKey(seed),
+            self._placement.params({name: jnp.float32(value) for name, value
+                                    in spec.verify.traced_values().items()}))
+    signature = (kwargs["spec"], tokens.shape, cache_len, batch_size, kwargs["tail_widths"])
     result, seconds, compile_seconds = self._run(decode_fn, args, kwargs, signature)
     return _generation(result, len(prompts), seconds, compile_seconds)
 

@@ -90,6 +90,11 @@ class LoopSpec:
                        f"mixing q, one of {BONUS_NEEDS_DRAFT}; got "
                        f"method={self.verify.method!r}")
 
+  def program_key(self) -> "LoopSpec":
+    """This spec with its rule's TRACED_FIELDS at their defaults (`decode`'s static spec
+    when the values come as `rule_values`)."""
+    return dataclasses.replace(self, verify=self.verify.program_key())
+
   @property
   def num_draft_steps(self) -> int:
     """Draft forward steps per round: K, plus one for q_{K+1} (DRAFTS_LAW_AT_BONUS)."""
@@ -519,8 +524,8 @@ def default_tail_widths(batch_size: int, multiple_of: int = 1) -> tuple[int, ...
 @functools.partial(jax.jit, static_argnames=("spec", "target_config", "draft", "weight_fn",
                                              "cache_len", "batch_size", "prefill_chunk",
                                              "tail_widths"))
-def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key, *,
-           spec: LoopSpec, target_config: ModelConfig, draft=None,
+def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key,
+           rule_values=None, *, spec: LoopSpec, target_config: ModelConfig, draft=None,
            weight_fn: WeightFn | None = None, cache_len: int,
            batch_size: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
            tail_widths: tuple[int, ...] = ()) -> DecodeResult:
@@ -530,6 +535,9 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     head_params: the ensemble head's parameters (`weight_fn`'s first argument), or None.
     prompt_qp: right-padded prompts [Q, P] (P a bucket length), prompt_lengths_q >= 2.
     key: the call's PRNG key (each round splits its own from it).
+    rule_values: None, or values of the rule's TRACED_FIELDS (float32 scalars) that
+      replace spec.verify's, as arguments of the program: one compiled program serves
+      every value (pass `spec.program_key()` and `spec.verify.traced_values()`).
     draft: a draft object (see drafts.py) or None for autoregressive decoding.
     weight_fn: the ensemble head for method 'diversed'.
     cache_len: static cache slots, >= P + max_new_tokens + K + 1.
@@ -576,6 +584,8 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
   # the kernel does. Sampled calls keep XLA's dot there: at 80-128 rows on a 2-core host
   # it ran rounds 6-23% faster (a batch-8 GSM8K prefill 13% faster), and a rounding
   # difference changes no law.
+  if rule_values is not None:
+    spec = dataclasses.replace(spec, verify=dataclasses.replace(spec.verify, **rule_values))
   greedy = spec.verify.temperature == 0
   with products.row_independent() if greedy else contextlib.nullcontext():
     return _prefill_and_loop(target_params, draft_params, head_params, prompt_qp,

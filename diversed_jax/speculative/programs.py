@@ -3,10 +3,11 @@
 XLA:CPU maps each compiled kernel's code and data into the process: one speculative
 decoding program of SmolLM2-135M (30 unrolled layers) adds ~2,000 memory mappings, a plain
 decoding one ~1,100, and Linux refuses new mappings past `vm.max_map_count` (65,530 by
-default). A CPU run that compiles a program per method, grid value and prompt bucket
-(the main job over a method sweep, a benchmark over many K) passes that: a sweep of one
-method over 40 values crashed compiling its 33rd program ("LLVM compilation error: Cannot
-allocate memory").
+default). A CPU run that compiles a program per method, K and prompt bucket (the main job
+over a method sweep, a benchmark over many K) passes that: a sweep of one method over 40
+values crashed compiling its 33rd program ("LLVM compilation error: Cannot allocate
+memory"), when each value of a rule's numbers still took its own program (they are
+arguments now: `types.TRACED_FIELDS`).
 
 So every `ProgramCache` (one per decoder) registers itself, and before each compile
 `release_under_pressure` checks the process's mappings: past half of the limit, every

@@ -55,8 +55,8 @@ def _result_specs(record_policy: bool) -> loop.DecodeResult:
 @functools.partial(jax.jit, static_argnames=("mesh", "spec", "target_config", "draft",
                                              "weight_fn", "cache_len", "batch_size",
                                              "prefill_chunk", "tail_widths"))
-def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key, *,
-           mesh: Mesh, spec: loop.LoopSpec, target_config, draft=None, weight_fn=None,
+def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key,
+           rule_values=None, *, mesh: Mesh, spec: loop.LoopSpec, target_config, draft=None, weight_fn=None,
            cache_len: int, batch_size: int, prefill_chunk: int = loop.PREFILL_CHUNK,
            tail_widths: tuple[int, ...] = ()) -> loop.DecodeResult:
   """`loop.decode` of Q prompts through `batch_size` rows, each device of the mesh's 'data'
@@ -65,10 +65,12 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
   devices = check_split(mesh, prompt_qp.shape[0], batch_size)
   block = prompt_qp.shape[0] // devices
 
-  def one_device(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key):
+  def one_device(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key,
+                 rule_values):
     index = jax.lax.axis_index(DATA)
     out = loop.decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q,
-                      jax.random.fold_in(key, index), spec=spec, target_config=target_config,
+                      jax.random.fold_in(key, index), rule_values, spec=spec,
+                      target_config=target_config,
                       draft=draft, weight_fn=weight_fn, cache_len=cache_len,
                       batch_size=batch_size // devices, prefill_chunk=prefill_chunk,
                       tail_widths=tail_widths)
@@ -76,8 +78,8 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
                               width_r=out.stats.width_r[None])
     return out.replace(num_rounds=out.num_rounds[None], stats=stats)
 
-  out = jax.shard_map(one_device, mesh=mesh, in_specs=(P(), P(), P(), _ROWS, _ROWS, P()),
+  out = jax.shard_map(one_device, mesh=mesh, in_specs=(P(), P(), P(), _ROWS, _ROWS, P(), P()),
                       out_specs=_result_specs(spec.record_policy), check_vma=False)(
-      target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key)
+      target_params, draft_params, head_params, prompt_qp, prompt_lengths_q, key, rule_values)
   return out.replace(num_rounds=jnp.max(out.num_rounds),
                      stats=out.stats.replace(width_r=jnp.sum(out.stats.width_r, axis=0)))

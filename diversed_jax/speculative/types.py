@@ -14,6 +14,10 @@ METHODS = ("ar", "sd", "lossy", "static", "static_logit", "diversed", "cascade",
            "typical", "smc", "ssd")
 CASCADE_RULES = ("chow", "diff", "opt", "v1", "v2", "v3")
 DIVERGENCES = ("tv", "kl", "chi2")  # mentored decoding's budget D(pi || p)
+# Rule numbers that a decoding program takes as arguments rather than as constants, so
+# that a sweep over them (static weights, lenience, cascade alpha, typical thresholds)
+# runs one compiled program. The rules read them with jnp operations only.
+TRACED_FIELDS = ("lenience", "weight", "cascade_alpha", "typical_epsilon", "typical_delta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,15 @@ class VerifyParams:
   fanout: int = 2
   guess_budget: int = 0
   saguaro_scale: float = 1.0
+
+  def program_key(self) -> "VerifyParams":
+    """These parameters with TRACED_FIELDS at their defaults: what a program that takes
+    `traced_values()` as arguments is compiled for."""
+    defaults = VerifyParams()
+    return dataclasses.replace(self, **{f: getattr(defaults, f) for f in TRACED_FIELDS})
+
+  def traced_values(self) -> dict[str, float]:
+    return {f: getattr(self, f) for f in TRACED_FIELDS}
 
 
 @flax.struct.dataclass

@@ -50,30 +50,31 @@ _NEG_LOGIT = -1e30
 
 def validate_params(params: VerifyParams, prefix: str = "VerifyParams.") -> None:
   """Raises ValueError naming the first out-of-range field of `params` (as `prefix` + its
-  name: a command line names its flags)."""
+  name: a command line names its flags). A value traced inside a program (TRACED_FIELDS
+  given to `loop.decode` as arguments) is not checked here: it was as a number."""
   checks = (
-      ("temperature", 0 <= params.temperature < math.inf, "finite and >= 0"),
-      ("top_p", 0 < params.top_p <= 1, "in (0, 1]"),
-      ("lenience", 0 < params.lenience <= 1, "in (0, 1]"),
-      ("weight", 0 <= params.weight <= 1, "in [0, 1]"),
-      ("cascade_rule", params.cascade_rule in CASCADE_RULES, f"one of {CASCADE_RULES}"),
-      ("cascade_alpha", 0 <= params.cascade_alpha <= 1, "in [0, 1]"),
-      ("epsilon", params.epsilon >= 0, ">= 0"),
-      ("divergence", params.divergence in DIVERGENCES, f"one of {DIVERGENCES}"),
-      ("typical_epsilon", params.typical_epsilon >= 0, ">= 0"),
-      ("typical_delta", params.typical_delta >= 0, ">= 0"),
-      ("particles", params.particles >= 1, ">= 1"),
-      ("ess_threshold", 0 <= params.ess_threshold <= 1, "in [0, 1]"),
-      ("fanout", params.fanout >= 1, ">= 1"),
-      ("guess_budget", params.guess_budget >= 0, ">= 0"),
-      ("saguaro_scale", 0 < params.saguaro_scale <= 1, "in (0, 1]"),
+      ("temperature", lambda t: 0 <= t < math.inf, "finite and >= 0"),
+      ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+      ("lenience", lambda v: 0 < v <= 1, "in (0, 1]"),
+      ("weight", lambda v: 0 <= v <= 1, "in [0, 1]"),
+      ("cascade_rule", lambda v: v in CASCADE_RULES, f"one of {CASCADE_RULES}"),
+      ("cascade_alpha", lambda v: 0 <= v <= 1, "in [0, 1]"),
+      ("epsilon", lambda v: v >= 0, ">= 0"),
+      ("divergence", lambda v: v in DIVERGENCES, f"one of {DIVERGENCES}"),
+      ("typical_epsilon", lambda v: v >= 0, ">= 0"),
+      ("typical_delta", lambda v: v >= 0, ">= 0"),
+      ("particles", lambda v: v >= 1, ">= 1"),
+      ("ess_threshold", lambda v: 0 <= v <= 1, "in [0, 1]"),
+      ("fanout", lambda v: v >= 1, ">= 1"),
+      ("guess_budget", lambda v: v >= 0, ">= 0"),
+      ("saguaro_scale", lambda v: 0 < v <= 1, "in (0, 1]"),
       # Importance weights p/q of one-hot laws are 0 or undefined: nothing to weigh.
-      ("temperature", params.method != "smc" or params.temperature > 0,
-       "> 0 with method 'smc'"),
+      ("temperature", lambda t: params.method != "smc" or t > 0, "> 0 with method 'smc'"),
   )
   for name, ok, want in checks:
-    if not ok:
-      raise ValueError(f"{prefix}{name} must be {want}, got {getattr(params, name)!r}")
+    value = getattr(params, name)
+    if not isinstance(value, jax.core.Tracer) and not ok(value):
+      raise ValueError(f"{prefix}{name} must be {want}, got {value!r}")
 
 
 def _laws(draft_logits_bjv, target_logits_bkv1, draft_tokens_bk, params):
