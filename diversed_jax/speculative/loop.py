@@ -577,6 +577,8 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
     raise ValueError(f"cache_len={cache_len} must be >= the prompt bucket "
                      f"{prompt_qp.shape[1]} + max_new_tokens {spec.max_new_tokens} + "
                      f"num_draft {spec.num_draft} + 1 = {needed}")
+  if rule_values is not None:  # traced from here on: one program for every value
+    spec = dataclasses.replace(spec, verify=dataclasses.replace(spec.verify, **rule_values))
 
   # Greedy output must equal plain greedy decoding's bit for bit at any B and K, whatever
   # the prompts beside it: each row of a verification of B (K + 1) rows (and of a prefill
@@ -584,8 +586,6 @@ def decode(target_params, draft_params, head_params, prompt_qp, prompt_lengths_q
   # the kernel does. Sampled calls keep XLA's dot there: at 80-128 rows on a 2-core host
   # it ran rounds 6-23% faster (a batch-8 GSM8K prefill 13% faster), and a rounding
   # difference changes no law.
-  if rule_values is not None:
-    spec = dataclasses.replace(spec, verify=dataclasses.replace(spec.verify, **rule_values))
   greedy = spec.verify.temperature == 0
   with products.row_independent() if greedy else contextlib.nullcontext():
     return _prefill_and_loop(target_params, draft_params, head_params, prompt_qp,
