@@ -77,8 +77,8 @@ def test_greedy_speculative_equals_greedy_autoregressive(pair, num_draft, method
 
 def test_a_sweep_of_rule_values_compiles_one_program_per_method(pair):
   """The decoder passes a rule's numbers (static weight, lenience) to its program as
-  arguments: one program per method, and each value decodes as the program compiled with
-  it as a constant does."""
+  arguments: one program per method, whose second value decodes as the program compiled
+  with that value as a constant does."""
   target, draft, draft_params = pair
   dec = decoder_lib.SpeculativeDecoder(target, draft, draft_params)
   tokens, lengths = decoder_lib.pad_prompts(PROMPTS, 0)
@@ -90,16 +90,16 @@ def test_a_sweep_of_rule_values_compiles_one_program_per_method(pair):
       verify = VerifyParams(method=method, temperature=1.0, **{field: value})
       got = dec.generate(PROMPTS, verify, num_draft=3, max_new_tokens=12, seed=4,
                          eos_token_ids=())
-      constant = loop.decode(
-          dec.target_params(), draft_params, None, jnp.asarray(tokens), jnp.asarray(lengths),
-          jax.random.PRNGKey(4), spec=loop.LoopSpec(verify=verify, num_draft=3,
-                                                    max_new_tokens=12),
-          target_config=target.config, draft=draft, cache_len=cache_len,
-          prefill_chunk=dec.prefill_chunk)
-      assert got.token_ids == [row[:n].tolist() for row, n in
-                               zip(np.asarray(constant.tokens_qn),
-                                   np.asarray(constant.num_generated_q))], (method, value)
       outputs.append(got.token_ids)
+    constant = loop.decode(
+        dec.target_params(), draft_params, None, jnp.asarray(tokens), jnp.asarray(lengths),
+        jax.random.PRNGKey(4), spec=loop.LoopSpec(verify=verify, num_draft=3,
+                                                  max_new_tokens=12),
+        target_config=target.config, draft=draft, cache_len=cache_len,
+        prefill_chunk=dec.prefill_chunk)
+    assert outputs[-1] == [row[:n].tolist() for row, n in
+                           zip(np.asarray(constant.tokens_qn),
+                               np.asarray(constant.num_generated_q))], method
     assert len(dec.programs) == before + 1, method
     assert outputs[0] != outputs[1], method  # the values reach the rule
 
